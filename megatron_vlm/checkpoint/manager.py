@@ -252,6 +252,7 @@ class CheckpointManager:
     def _save_state(self, tmp: Path, step: int, model: torch.nn.Module, optimizer, extra: dict[str, Any],
                     layout: Optional[dict], modules: Optional[dict[str, tuple[torch.nn.Module, Any]]]) -> None:
         """`save`'s writing: the DCP shards, this rank's extra file, the layout record."""
+        unstepped = [o for o in (optimizer, *(o for _, o in (modules or {}).values())) if o is not None and not o.state]
         model_sd, optim_sd = get_state_dict(model, optimizer)
         if hasattr(model, "optim_state_dict_for_save"):  # parallel.pp > 1 (parallel/pipeline.py)
             optim_sd = model.optim_state_dict_for_save(optim_sd)
@@ -262,6 +263,7 @@ class CheckpointManager:
             m_sd, o_sd = get_state_dict(module, module_optim)
             check_finite({name: m_sd, f"{name} optimizer": o_sd.get("state", {})}, f"refusing to save step_{step}")
             state[name] = {"model": m_sd, "optim": o_sd}
+        undo_state_init_step(unstepped)
         dcp.save(state, checkpoint_id=str(tmp))
         extra_file = tmp / f"extra_rank{self.rank}.pt"
         with open(extra_file, "wb") as f:
@@ -426,6 +428,20 @@ class CheckpointManager:
         extra = torch.load(extra_file, weights_only=True)
         set_rng_state(extra["rng"])
         return extra
+
+
+def undo_state_init_step(optimizers: list) -> None:
+    """The step count of optimizers whose state torch's `get_state_dict` has just made (they had none: no step yet,
+    e.g. PPO's policy during `rl.critic.warmup_steps`) back to 0. It makes it by a step with zero gradients at lr 0,
+    which leaves the weights and moments at their initial values (zero moments) but counts a step: the first real
+    update would then be AdamW's second (another bias correction), and saving a checkpoint would change training.
+    The state made (saved as such) is then that of a fresh optimizer."""
+    for optimizer in optimizers:
+        for param_state in optimizer.state.values():
+            step = param_state.get("step")
+            if torch.is_tensor(step):
+                step.zero_()
+        getattr(optimizer, "sync_steps", lambda: None)()  # an optimizer that mirrors the counts on the host
 
 
 def full_model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -68,7 +68,9 @@ class TrainConfig:
     (only its input is kept); "selective": the outputs of its matmuls and attention are kept and only the cheap
     ops between them (norms, rotary, activations, casts) are recomputed: at the Qwen2.5-VL-3B shape about 60 % of
     the activation memory of no checkpointing, for little recompute; with `parallel.compile` the fastest step
-    where it fits (benchmarks/RESULTS.md)."""
+    where it fits (benchmarks/RESULTS.md). Under FSDP2 mixed precision a Nemotron-H MoE / Mamba2 block, whose
+    fp32 router is an FSDP2 unit of its own, is checkpointed per child and piece as with `parallel.compile` (the
+    unit's hooks cannot run inside a selective checkpoint); --check counts the inputs those checkpoints keep."""
     eval_every: int = 0
     """Run validation (loss, perplexity, answer accuracy if the data has answers) every N steps; 0 = only at the end."""
     eval_max_batches: int = 0

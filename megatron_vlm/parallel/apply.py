@@ -272,14 +272,20 @@ def apply_fsdp(
     # routing is not the checkpoint's), and a unit needs one original dtype when nothing casts. An fp32 model
     # without a cast needs no extra units (fewer collectives, nothing changes).
     keep_fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    casts = param_dtype is not None and param_dtype != torch.float32
-    mixed = casts or any(p.dtype != torch.float32 for p in model.parameters())
-    for module in [m for m in model.modules() if mixed and getattr(m, "fp32_weight", False)]:
+    for module in fp32_units(model, param_dtype):
         fully_shard(module, mesh=dp_mesh, mp_policy=keep_fp32, reshard_after_forward=reshard_after_forward, **kwargs)
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, **kwargs)
     return model
+
+
+def fp32_units(model: nn.Module, param_dtype: Optional[torch.dtype]) -> list[nn.Module]:
+    """The `fp32_weight` modules (Nemotron-H's routers) that `apply_fsdp` makes FSDP2 units of their own, inside
+    their blocks: where the blocks' parameters are cast to `param_dtype` or are not all fp32 (`model.dtype`)."""
+    casts = param_dtype is not None and param_dtype != torch.float32
+    mixed = casts or any(p.dtype != torch.float32 for p in model.parameters())
+    return [m for m in model.modules() if mixed and getattr(m, "fp32_weight", False)]
 
 
 def _cast_inputs(dtype: torch.dtype):
@@ -329,7 +335,14 @@ def parallelize_blocks(
     `model`; the trainer passes its log-prob wrapper so the output projection runs inside the root's
     forward). `mesh` None skips FSDP (with a `param_dtype`: `apply_input_casts`). `ignored_params` are kept out of FSDP (expert-parallel weights).
     """
-    checkpoint_blocks(blocks, activation_checkpointing)
+    policy = checkpoint_blocks(blocks, activation_checkpointing)
+    if policy == "selective" and mesh is not None and fp32_units(root if root is not None else model, param_dtype):
+        # a nested FSDP2 unit's hooks (gather, casts, profiler ranges) may dispatch other operators when the
+        # checkpoint recomputes the block than in its forward (one rank, torch 2.13), which a selective checkpoint's
+        # per-operator replay refuses at the first backward: checkpointed per child and piece instead, as under
+        # parallel.compile (every layout: what the hooks dispatch is not the model's to promise), so that the
+        # router's hooks run outside every checkpoint (its own piece checkpoints its forward, not its hooks)
+        split_selective_checkpoints(blocks)
     if getattr(parallel_cfg, "compile", False):
         apply_compile(blocks)
     if mesh is not None:

@@ -193,8 +193,9 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
             raise CheckFailed("parallel.pp", str(e)) from None
     shape = model_shape(model)
     tokens = cfg.data.max_tokens_per_pack
-    compute = 4 if cfg.train.precision == "fp32" else 2
     master = _BYTES[cfg.model.dtype]
+    # full precision computes in the weights' own dtype (nothing is cast: parallel/precision.py compute_dtype)
+    compute = master if cfg.train.precision == "fp32" else 2
     adapters = sum(p.numel() for n, p in model.named_parameters() if ".lora_A." in n or ".lora_B." in n)
     lora = f"+ {adapters / 1e9:.3f} B LoRA, " if adapters else ""
     lines = [f"model      {hf.get('model_type')}: {(shape.params - adapters) / 1e9:.3f} B parameters "
@@ -249,7 +250,7 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
             else:
                 lines.append(f"rollout    {per_rank} prompts per rank and step x group {group}, {rollout_prompts * group} sequences "
                              f"at once ({rollout_prompts} prompts' slots of {tokens} positions), refilled as completions end")
-            lines.append(decode_line(rl, model, rollout_ranks=bool(rollout_ranks)))
+            lines.append(decode_line(cfg, model, rollout_ranks=bool(rollout_ranks)))
         route_lines, routes_bytes = routes_plan(model, rl, per_rank_prompts=per_rank, batch_prompts=rollout_prompts,
                                                 max_tokens=tokens)
         lines += route_lines
@@ -293,7 +294,7 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
                           activation_checkpointing=True if evaluating else cfg.train.activation_checkpointing,
                           rollout_prompts=0 if rollout_ranks else rollout_prompts, group_size=group, tp=tp,
                           kv_slots=kv_slots, ep=cfg.parallel.ep, routes_bytes=0.0 if rollout_ranks else routes_bytes,
-                          compiled=cfg.parallel.compile,
+                          compiled=cfg.parallel.compile or _splits_for_fp32_units(cfg, model, compute, master),
                           rollout_weights=cfg.rl.rollout.weights if grpo and cfg.rl.rollout_backend == "builtin" else "shared",
                           moment_bytes=moment_bytes(cfg), unsharded=cfg.parallel.fsdp is False)
     if rollout_ranks:
@@ -352,6 +353,8 @@ def copy_hint(cfg, copy_bytes: float, peak: float, device_memory_gib: float) -> 
     ro, par = cfg.rl.rollout, cfg.parallel
     if cfg.rl.rollout_backend != "builtin" or ro.weights != "shared" or cfg.rl.env is not None:
         return []
+    if shared_in_place(cfg):  # "shared" already decodes as a copy would, with no copy's memory
+        return []
     if par.tp > 1 or par.pp > 1 or par.ep > 1 or par.backend == "mcore":
         return []
     with_copy = peak + copy_bytes
@@ -362,15 +365,25 @@ def copy_hint(cfg, copy_bytes: float, peak: float, device_memory_gib: float) -> 
             "(rl.rollout.cuda_graphs = \"auto\"); \"shared\" runs eager lock-step steps"]
 
 
-def decode_line(rl, model, *, rollout_ranks: bool) -> str:
+def shared_in_place(cfg) -> bool:
+    """Whether `rl.rollout.weights = "shared"` decodes with the trainer's own bf16 weights as the engine's copy
+    (rl/trainer.py `build_rollout_engine`): `parallel.fsdp = false` in bf16 (the plan's "auto" is bf16, as on an
+    accelerator), where the model holds bf16 weights beside its fp32 masters. Then nothing is gathered and the engine
+    batches continuously, in CUDA graphs on a GPU, as a copy does, without the copy's memory."""
+    return cfg.parallel.fsdp is False and cfg.train.precision != "fp32"
+
+
+def decode_line(cfg, model, *, rollout_ranks: bool) -> str:
     """How the built-in engine's decode steps will run: in CUDA graphs on a GPU, or eager, and why (the choice
-    `rl.rollout.cuda_graphs` and `rl.rollout.weights` make; the step's speed differs several-fold on a GPU)."""
+    `rl.rollout.cuda_graphs` and `rl.rollout.weights` make, and `parallel.fsdp`; the step's speed differs several-fold
+    on a GPU)."""
+    rl = cfg.rl
     from megatron_vlm.inference.policy_engine import cuda_graphs_blocker
 
     mode = rl.rollout.cuda_graphs
     if mode == "off":
         return "decode     eager steps (rl.rollout.cuda_graphs = 'off')"
-    if not rollout_ranks and rl.rollout.weights == "shared":
+    if not rollout_ranks and rl.rollout.weights == "shared" and not shared_in_place(cfg):
         return ("decode     eager lock-step steps through the trainer's FSDP model (rl.rollout.weights = 'shared'; "
                 "an own copy, 'copy', decodes in CUDA graphs on a GPU)")
     why_not = cuda_graphs_blocker(model)
@@ -410,7 +423,9 @@ def rollout_rank_lines(cfg, shape, *, compute_bytes: int, batch_prompts: int, gr
 def rollout_copy_lines(cfg, mem, shape) -> list[str]:
     """The rollout engine's weights (rl.rollout.weights) and the per-rank sum of the plan's parts."""
     weights = cfg.rl.rollout.weights if cfg.rl.rollout_backend == "builtin" else "vllm"
-    what = {"shared": "none: the trainer's parameters, all-gathered block by block at every decode step",
+    what = {"shared": "none: the trainer's bf16 weights, decoded with in place (parallel.fsdp = false)"
+                      if shared_in_place(cfg) else
+                      "none: the trainer's parameters, all-gathered block by block at every decode step",
             "copy": "an unsharded copy of the whole policy",
             "expert_parallel": f"dense weights whole + 1/{cfg.parallel.ep} of the routed experts "
                                f"({shape.expert_params / 1e9:.2f} B of {shape.params / 1e9:.2f} B parameters are experts)",
@@ -440,7 +455,20 @@ def _key_to_change(cfg, mem, side_bytes: float = 0.0, excess: float = 0.0) -> st
             and cfg.parallel.dp_replicate == 1):
         # FSDP already shards over every data-parallel rank: halving the AdamW states is enough, without recomputing
         return "optimizer.moments_dtype"
+    if cfg.parallel.fsdp is False:  # dp_shard is refused beside it; FSDP2 shards over more ranks (and drops the bf16 copy)
+        return "parallel.fsdp"
     return "parallel.dp_shard"
+
+
+def _splits_for_fp32_units(cfg, model, compute: int, master: int) -> bool:
+    """Whether "selective" checkpointing is split per child and piece without `parallel.compile` too: under FSDP2
+    with fp32 modules (Nemotron-H's routers) made units of their own inside bf16 blocks (parallel/apply.py
+    `parallelize_blocks`); planned as FSDP2 on an accelerator unless `parallel.fsdp = false`."""
+    if cfg.parallel.fsdp is False or ac_policy(cfg.train.activation_checkpointing) != "selective":
+        return False
+    from megatron_vlm.parallel.apply import fp32_units
+
+    return bool(fp32_units(model, torch.bfloat16 if min(compute, master) < 4 else None))
 
 
 def _ac_words(value) -> str:

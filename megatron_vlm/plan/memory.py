@@ -6,7 +6,7 @@ conservative; the numbers it uses (all in bytes, per rank):
 
 - F = FSDP shard size (`parallel.dp_shard`, -1 = world / (dp_replicate x tp)); P = parameters, T = trainable
   parameters (`train.train_layers`), m = bytes of `model.dtype` (the master weights the optimizer
-  updates), c = bytes of the compute dtype (`train.precision`: bf16 = 2, fp32 = 4; "auto" = bf16);
+  updates), c = bytes of the compute dtype (`train.precision`: bf16 = 2, fp32 = m (nothing cast: the weights' own); "auto" = bf16);
 - tensor parallelism (`parallel.tp`): the parameters TP splits (attention and dense-MLP projections,
   embedding, lm_head: S of P, S_T of T) count S / tp per rank: P' = P - S + S / tp, likewise T';
 - master weights (params)  = P' x m / F
@@ -27,7 +27,8 @@ conservative; the numbers it uses (all in bytes, per rank):
   with (`train.activation_checkpointing` true / "full"): t x L x h x c (the saved block inputs) + t x a x c (one
   block recomputed at a time); "selective" (the matmul and attention outputs kept, the ops between them
   recomputed): t x L x (a / 2 + h) x c (a / 2 counts each projection's output once, h the block input);
-  with `parallel.compile` too, a block with a MoE or Mamba2 mixer is checkpointed per child and piece
+  with `parallel.compile` too (or under FSDP2 with fp32 router units inside bf16 blocks: Nemotron-H), a block with
+  a MoE or Mamba2 mixer is checkpointed per child and piece
   (parallel/apply.py `_splits`), whose checkpoints keep their inputs where the block-wide one recomputes
   them: + t x (s x c + s_b), summed over those layers per token s = h per norm child (its output) + per
   Mamba2 mixer its scan output (heads x head_dim) + per MoE block with latent projections its latent size,
@@ -265,8 +266,8 @@ def estimate_memory(shape: ModelShape, *, fsdp: int, master_bytes: int, compute_
     rollout cache's token positions when they are fixed (the paged pool, rl.rollout.kv_cache_blocks); `ep`:
     parallel.ep; `rollout_weights`: rl.rollout.weights (GRPO); `routes_bytes`: the routes' decode buffer;
     `activation_checkpointing`: train.activation_checkpointing (false, true / "full", "selective"); `moment_bytes`:
-    bytes of each AdamW moment (optimizer.moments_dtype: fp32 4, bf16 2); `compiled`: parallel.compile (under
-    "selective" it splits the checkpoints of MoE / Mamba2 blocks); `unsharded`: parallel.fsdp = false (one process:
+    bytes of each AdamW moment (optimizer.moments_dtype: fp32 4, bf16 2); `compiled`: parallel.compile, or FSDP2
+    units of fp32 routers inside the blocks (under "selective" either splits the checkpoints of MoE / Mamba2 blocks); `unsharded`: parallel.fsdp = false (one process:
     the weights in the compute dtype, P x c, with the trainable ones' masters beside them, T x m, where c < m; no
     gathered block)."""
     from megatron_vlm.parallel.apply import ac_policy

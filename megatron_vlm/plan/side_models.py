@@ -7,10 +7,10 @@ folders' config.json on the meta device (no weights), as the policy is (plan/mem
 - critic (`[rl] advantage = "gae"`, rl/critic/build.py): a plain module replicated on every rank (no FSDP), in
   `model.dtype` (m bytes): its backbone (`[rl.critic] model`: a copy of model.path, or another folder) with the
   lm_head kept but frozen, and a scalar value head. P_c parameters, T_c trainable (`train.train_layers`, the
-  head, not the lm_head unless tied to the embedding): weights P_c x m + gradients T_c x m + AdamW T_c x 8,
-  held through the run; its activations while it trains (t x L x a x m, no activation checkpointing: its
-  backbone is not wrapped) come after the policy's update, so they count against the policy's activations
-  (the larger of the two), not on top;
+  head, not the lm_head unless tied to the embedding): weights P_c x m + gradients T_c x m + AdamW T_c x 2 x o
+  (o = 4 bytes, 2 with `optimizer.moments_dtype = "bf16"`), held through the run; its activations while it trains
+  (in m bytes, checkpointed as `train.activation_checkpointing` says for the policy's: rl/critic/build.py) come
+  after the policy's update, so they count against the policy's activations (the larger of the two), not on top;
 - reward models (`[[rl.rewards]] type = "model"`, rl/rewards/model_reward.py): one full copy per rank in the
   compute dtype (c bytes), without the lm_head (a scalar head instead): P_r x c; a judge (`type = "judge"`,
   rl/rewards/judge.py) is a whole VLM, P_j x c, plus the KV cache of its decoding slots (`batch_size` x

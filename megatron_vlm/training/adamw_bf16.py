@@ -85,6 +85,11 @@ class AdamWBf16Moments(torch.optim.Optimizer):
                 state["step"] = state["step"].detach().to("cpu", torch.float32)
                 self._steps[id(p)] = int(state["step"])
 
+    def sync_steps(self) -> None:
+        """The host mirror of the step counts read again from the state (whose `step` tensors were set outside
+        `step` / `load_state_dict`: checkpoint/manager.py `undo_state_init_step`)."""
+        self._steps = {id(p): int(s["step"]) for p, s in self.state.items() if torch.is_tensor(s.get("step"))}
+
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         if not state:

@@ -58,6 +58,7 @@ from megatron_vlm.checkpoint.manager import (
     first_error,
     full_model_state_dict,
     gather_errors,
+    undo_state_init_step,
 )
 from megatron_vlm.models.common.lora import merged_state_dict
 from megatron_vlm.models.mcore.ep_shard import check_saved_mcore_ep, mcore_ep_of
@@ -266,7 +267,10 @@ class Checkpointer:
 
     def _trained(self) -> set[str]:
         """The parameters this rank's optimizer holds state for, under the names a load asks the checkpoint for."""
+        unstepped = not self.optim.optimizer.state
         optim_state: Any = get_state_dict(self.wrapper, self.optim.optimizer)[1]  # a dict (one optimizer)
+        if unstepped:  # the state torch made for the question is a fresh optimizer's (no step counted)
+            undo_state_init_step([self.optim.optimizer])
         return set(optim_state.get("state", {}))
 
     def _adapters(self) -> set[str]:

@@ -472,3 +472,55 @@ def test_check_refuses_no_fsdp_on_more_than_one_rank(qwen2_5_vl_3b):
     assert run_check(cfg, world_size=2, device_memory_gib=141.0, out=io.StringIO(), err=err) == 2
     assert err.getvalue().startswith("check failed: parallel.fsdp: false runs one process"), err.getvalue()
     assert run_check(cfg, world_size=1, device_memory_gib=141.0, out=io.StringIO(), err=io.StringIO()) == 0
+
+
+def test_check_of_no_fsdp_shared_rollout_says_it_decodes_in_place_without_a_copy_hint(qwen2_5_vl_3b):
+    """parallel.fsdp = false with rl.rollout.weights = "shared": the engine decodes with the trainer's own bf16 weights
+    (nothing gathered, continuous batching, CUDA graphs on a GPU), so the plan must not say that the weights are
+    gathered at every step in eager lock-step, nor advise an own copy, which would add a whole bf16 model for nothing."""
+    sets = [f'model.path="{qwen2_5_vl_3b}"', 'rl.rollout.weights="shared"', "parallel.fsdp=false"]
+
+    def check(extra: list[str]) -> tuple[int, str, str]:  # one H200: room for a copy, so a hint would be given
+        out, err = io.StringIO(), io.StringIO()
+        code = run_check(load_config(CONFIGS / "qwen2_5_vl_3b_geometry3k_dapo.toml", sets + extra), world_size=1,
+                         device_memory_gib=141.0, out=out, err=err)
+        return code, out.getvalue(), err.getvalue()
+
+    code, out, err = check([])
+    assert code == 0, err
+    assert "hint:" not in out and "lock-step" not in out and "all-gathered" not in out, out
+    assert "decode     CUDA graphs on a GPU (rl.rollout.cuda_graphs = 'auto'), eager on a CPU" in out, out
+    # in full precision there are no bf16 weights to decode with in place: the engine calls the model in lock-step
+    code, out, err = check(['train.precision="fp32"'])
+    assert code == 0 and "decode     eager lock-step steps" in out, out + err
+
+
+def test_check_of_no_fsdp_over_memory_names_parallel_fsdp_not_dp_shard(qwen2_5_vl_3b):
+    """A parallel.fsdp = false run whose weights and optimizer states do not fit names parallel.fsdp: dp_shard (the
+    key an FSDP2 run is told to raise) is refused beside fsdp = false, and FSDP2 also drops the bf16 weight copy."""
+    from megatron_vlm.config import load_config_dict
+
+    cfg = load_config_dict({"model": {"path": str(qwen2_5_vl_3b)}, "parallel": {"fsdp": False},
+                            "optimizer": {"moments_dtype": "bf16"},
+                            "train": {"max_steps": 1, "precision": "bf16", "activation_checkpointing": True},
+                            "data": {"type": "synthetic_vqa", "max_tokens_per_pack": 1024}})
+    err = io.StringIO()
+    assert run_check(cfg, world_size=1, device_memory_gib=40.0, out=io.StringIO(), err=err) == 2
+    assert err.getvalue().startswith("check failed: parallel.fsdp: estimated peak"), err.getvalue()
+
+
+def test_check_of_bf16_weights_in_full_precision_plans_bf16_activations(qwen2_5_vl_3b):
+    """model.dtype = "bfloat16" with train.precision = "fp32": nothing is cast (no mixed precision), so the forward
+    computes in the weights' bf16 (parallel/precision.py `compute_dtype`): activations and the rollout's KV cache take
+    2 bytes per element, as under bf16 precision, not the 4 of fp32 weights."""
+    from megatron_vlm.config import load_config_dict
+
+    def activations(precision: str) -> float:
+        cfg = load_config_dict({"model": {"path": str(qwen2_5_vl_3b), "dtype": "bfloat16"},
+                                "train": {"max_steps": 1, "precision": precision},
+                                "data": {"type": "synthetic_vqa", "max_tokens_per_pack": 4096}})
+        out = io.StringIO()
+        assert run_check(cfg, world_size=1, device_memory_gib=1000.0, out=out, err=io.StringIO()) == 0
+        return float(re.search(r"activations ([0-9.]+) GiB", out.getvalue()).group(1))
+
+    assert activations("fp32") == activations("bf16")

@@ -95,3 +95,28 @@ def test_check_plans_split_checkpoints_of_moe_layers(tmp_path):
     layers, hidden, top_k = 48, 2048, 8
     assert sel - got[False][2] == pytest.approx(tokens * layers * (2 * hidden * 2 + top_k * 12) / 2**30, abs=0.011)
     assert 0.08 < sel / got[False][2] - 1 < 0.12
+
+
+def test_check_plans_split_checkpoints_of_fp32_router_blocks_under_fsdp2(tmp_path):
+    """Nemotron-H under FSDP2 mixed precision: its routers are FSDP2 units of their own, so selective checkpointing
+    splits their blocks' checkpoints as `parallel.compile` does (parallel/apply.py `parallelize_blocks`), and the
+    plan's selective activations are the split ones; without FSDP2 units (`parallel.fsdp = false`), or in full
+    precision (no fp32 units), the block-wide ones."""
+    from megatron_vlm.config import load_config_dict
+    from megatron_vlm.plan.check import run_check
+
+    folder = write_real_model_folder("nemotron_3_nano_vl", tmp_path / "m")
+
+    def selective(precision: str, **parallel) -> float:
+        cfg = load_config_dict({"model": {"path": str(folder)}, "parallel": parallel,
+                                "train": {"mode": "sft", "max_steps": 1, "activation_checkpointing": "selective",
+                                          "precision": precision},
+                                "data": {"train_path": "/d/train.jsonl", "max_tokens_per_pack": 4096}})
+        out, err = io.StringIO(), io.StringIO()
+        assert run_check(cfg, world_size=1, device_memory_gib=10000.0, out=out, err=err) == 0, out.getvalue() + err.getvalue()
+        return float(re.search(r"activations ([0-9.]+) GiB", out.getvalue()).group(1))
+
+    split, block_wide = selective("bf16", compile=True), selective("bf16", fsdp=False)
+    assert split > block_wide
+    assert selective("bf16") == split
+    assert selective("fp32") * 2 / 4 == pytest.approx(block_wide, abs=0.011)  # fp32: 4 bytes per element, not split

@@ -5,7 +5,8 @@ Same step protocol as `KVCache` (the rollout engine drives both the same way): t
 `begin_step(n_new, new_mask)`, each layer reads / writes its state, then `end_step()`. The KV part
 is a `KVCache` over the attention layers only (`kv_index(layer)` maps a decoder layer to its slot);
 its padding mask also serves left-padded prompts for attention, while the Mamba mixers zero the
-padding themselves. `repeat_interleave(g)` turns a cache prefilled for B prompts into one for
+padding themselves. Only padding before a sequence's first token keeps the recurrent state exact, so a
+cached forward that pads after a real token is refused (`check_padding`). `repeat_interleave(g)` turns a cache prefilled for B prompts into one for
 B * g sequences (a GRPO group shares one prefill).
 """
 from __future__ import annotations

@@ -120,6 +120,20 @@ def test_step_decoding_equals_full_forward(ours):
     assert cache.seq_len == 12
 
 
+def test_chunks_of_several_tokens_after_a_cached_state_equal_full_forward(ours):
+    """Several-token forwards continuing a cache (an appended turn): the chunked scan starts from the cached SSM
+    state and the conv from the cached inputs, chunks of 1, 2, 5 and 7 tokens crossing the scan's 4-token chunks."""
+    ids = torch.randint(1, 96, (2, 18), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        full = ours(ids)
+        cache = ours.new_cache(batch_size=2, max_len=18)
+        outs, lo = [], 0
+        for hi in (3, 4, 6, 11, 18):
+            outs.append(ours(ids[:, lo:hi], kv_cache=cache))
+            lo = hi
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-5, atol=1e-5)
+
+
 def test_left_padded_prefill_then_decode_and_group_expand(ours):
     """Prompt of sample 0 left-padded by 3; decoding continues each sample as if run alone; a cache
     expanded for a GRPO group (each prompt x2) decodes the same."""

@@ -267,7 +267,8 @@ class KVCacheMixin:
 class MRopePositionsMixin:
     """The position hooks of the M-RoPE families (Qwen2.5-VL, Qwen3-VL): positions [3, B, T] with the original
     Qwen2.5-VL get_rope_index semantics (`mrope_index.get_mrope_position_ids`, from the grids, frame intervals and token
-    types given); cached decoding continues them at the rope deltas the prefill stored in the cache; given
+    types given); cached decoding continues them at the rope deltas the prefill stored in the cache (a later chunk
+    with images / videos: its own index shifted there, `mrope_index.appended_mrope_position_ids`); given
     [B, T] positions are broadcast to the three rows. A family may override how video time is counted
     (`_tokens_per_second`, `_video_grids`)."""
 

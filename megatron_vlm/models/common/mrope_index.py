@@ -33,7 +33,8 @@ ids when absent), and packed input (one row, `cu_seqlens`) restarts positions at
 
 Cached decoding (`cached_mrope_position_ids`, shared by every M-RoPE family): the prefill computes
 the full positions and stores each sample's `rope_delta` in the cache; later steps continue at
-`n_valid_tokens_so_far + rope_delta`.
+`n_valid_tokens_so_far + rope_delta`. A later chunk with images or videos (`appended_mrope_position_ids`) gets
+its own index shifted to that next text position, and the deltas move on by the chunk's own.
 """
 from __future__ import annotations
 
@@ -227,3 +228,24 @@ def cached_mrope_position_ids(
     pos = start + valid.cumsum(-1) - 1 + kv_cache.rope_deltas.to(input_ids.device)
     pos = pos.masked_fill(valid == 0, 0)
     return pos.unsqueeze(0).expand(3, -1, -1)
+
+
+def appended_mrope_position_ids(
+    kv_cache,
+    new_mask: Optional[torch.Tensor],
+    chunk_positions: Callable[[Optional[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """M-RoPE positions `[3, B, n_new]` of new tokens holding vision placeholders, fed to a cache that holds tokens.
+
+    Why not `cached_mrope_position_ids`: its later steps count the new tokens as text, which a chunk with an image
+    or a video (a later turn) is not. The whole sequence's rule continues after the cached tokens at their largest
+    position + 1 (= real tokens so far + rope delta) exactly as a sequence starts at 0, so the chunk's own index
+    (`chunk_positions(new_mask)` -> (positions from 0, its deltas), with the chunk's grids) is shifted there, and
+    each sample's delta grows by the chunk's (max + 1 - n of the chunk). Call before the cache's `begin_step`."""
+    pos, deltas = chunk_positions(new_mask)
+    start = kv_cache.valid_lengths().unsqueeze(1) + kv_cache.rope_deltas.to(pos.device)  # [B, 1]
+    pos = pos + start.unsqueeze(0)
+    if new_mask is not None:
+        pos = pos.masked_fill(~new_mask.bool().unsqueeze(0), 0)
+    kv_cache.set_rope_deltas(kv_cache.rope_deltas + deltas.to(kv_cache.rope_deltas.device))
+    return pos

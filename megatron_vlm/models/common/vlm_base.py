@@ -33,7 +33,11 @@ from torch import nn
 from megatron_vlm.host_copies import keep_host_copy, on_host
 from megatron_vlm.models.common.kv_cache import KVCache
 from megatron_vlm.models.common.merge import VISION_INPUTS, embed_vision_inputs
-from megatron_vlm.models.common.mrope_index import cached_mrope_position_ids, get_mrope_position_ids
+from megatron_vlm.models.common.mrope_index import (
+    appended_mrope_position_ids,
+    cached_mrope_position_ids,
+    get_mrope_position_ids,
+)
 from megatron_vlm.models.common.norms import LayerNorm, RMSNorm
 from megatron_vlm.models.common.prefix_sharing import prefix_layout_and_positions
 from megatron_vlm.models.common.text_positions import text_position_ids
@@ -263,7 +267,8 @@ class KVCacheMixin:
 class MRopePositionsMixin:
     """The position hooks of the M-RoPE families (Qwen2.5-VL, Qwen3-VL): positions [3, B, T] with the original
     Qwen2.5-VL get_rope_index semantics (`mrope_index.get_mrope_position_ids`, from the grids, frame intervals and token
-    types given); cached decoding continues them at the rope deltas the prefill stored in the cache; given
+    types given); cached decoding continues them at the rope deltas the prefill stored in the cache (a later chunk
+    with images / videos: its own index shifted there, `mrope_index.appended_mrope_position_ids`); given
     [B, T] positions are broadcast to the three rows. A family may override how video time is counted
     (`_tokens_per_second`, `_video_grids`)."""
 
@@ -287,8 +292,10 @@ class MRopePositionsMixin:
         return self._rope_index(input_ids, attention_mask, cu_seqlens, inputs)[0]
 
     def _cached_positions(self, input_ids, new_mask, kv_cache, inputs):
-        return cached_mrope_position_ids(
-            input_ids, kv_cache, new_mask, lambda mask: self._rope_index(input_ids, mask, None, inputs))
+        index = lambda mask: self._rope_index(input_ids, mask, None, inputs)  # noqa: E731
+        if kv_cache.seq_len > 0 and any(inputs.get(k) is not None for k in VISION_INPUTS):
+            return appended_mrope_position_ids(kv_cache, new_mask, index)  # a later chunk with images / videos
+        return cached_mrope_position_ids(input_ids, kv_cache, new_mask, index)
 
     def _position_layout(self, position_ids):
         return position_ids.unsqueeze(0).expand(3, -1, -1) if position_ids.dim() == 2 else position_ids

@@ -5,7 +5,8 @@ Same step protocol as `KVCache` (the rollout engine drives both the same way): t
 `begin_step(n_new, new_mask)`, each layer reads / writes its state, then `end_step()`. The KV part
 is a `KVCache` over the attention layers only (`kv_index(layer)` maps a decoder layer to its slot);
 its padding mask also serves left-padded prompts for attention, while the Mamba mixers zero the
-padding themselves. `repeat_interleave(g)` turns a cache prefilled for B prompts into one for
+padding themselves. Only padding before a sequence's first token keeps the recurrent state exact, so a
+cached forward that pads after a real token is refused (`check_padding`). `repeat_interleave(g)` turns a cache prefilled for B prompts into one for
 B * g sequences (a GRPO group shares one prefill).
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from megatron_vlm.host_copies import on_host
 from megatron_vlm.models.common.kv_cache import KVCache
 from megatron_vlm.models.common.mamba2 import Mamba2State
 
@@ -75,6 +77,25 @@ class HybridCache:
 
     def valid_lengths(self) -> torch.Tensor:
         return self.kv.valid_lengths()
+
+    def check_padding(self, new_mask: torch.Tensor) -> None:
+        """ValueError when `new_mask` `[B, n_new]` (its host copy where it has one) pads a sequence after a real
+        token, cached or new. Why: a padded token's input is zeroed, but it still shifts the Mamba2 conv window and
+        decays the SSM state, so that sequence would continue from a wrong state, silently. Left padding before a
+        sequence's first token is exact (the state is still zero). Reads the cached lengths from the device only
+        when the cache holds tokens (never on the rollout engine's path: it passes a mask only to prefills)."""
+        mask = on_host(new_mask).bool().cpu()
+        started = torch.zeros(mask.shape[0], 1, dtype=torch.bool)
+        if self.seq_len > 0:
+            started = (self.valid_lengths() > 0).cpu()[:, None]
+        before = mask.long().cumsum(-1) - mask.long() > 0  # a real new token earlier in the row
+        bad = ~mask & (started | before)
+        if bool(bad.any()):
+            rows = sorted({int(r) for r in bad.nonzero()[:, 0]})
+            raise ValueError(
+                f"attention_mask: padding after a real token in a cached forward of the hybrid (Mamba2) decoder "
+                f"(rows {rows}): its recurrent state would take the padding in; pad prompts on the left only and "
+                "feed the cached sequences' new tokens unpadded")
 
     def begin_step(self, n_new: int, new_mask: Optional[torch.Tensor] = None) -> None:
         self.kv.begin_step(n_new, new_mask)

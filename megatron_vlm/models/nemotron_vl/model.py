@@ -290,6 +290,9 @@ class NemotronVLForConditionalGeneration(VLMBase):
         new_mask = attention_mask
         if kv_cache is not None:
             new_mask = new_tokens_mask(new_mask, input_ids)
+            check = getattr(kv_cache, "check_padding", None)  # a SlotCache refuses any mask itself
+            if new_mask is not None and check is not None:  # the host copy's new-token columns (no device read)
+                check(new_tokens_mask(on_host(attention_mask), input_ids))
             kv_cache.begin_step(input_ids.shape[1], new_mask)
         try:
             return self.language_model(embeds, attention_mask=new_mask, cu_seqlens=cu_seqlens, cache=kv_cache, **extra)

@@ -120,6 +120,20 @@ def test_step_decoding_equals_full_forward(ours):
     assert cache.seq_len == 12
 
 
+def test_chunks_of_several_tokens_after_a_cached_state_equal_full_forward(ours):
+    """Several-token forwards continuing a cache (an appended turn): the chunked scan starts from the cached SSM
+    state and the conv from the cached inputs, chunks of 1, 2, 5 and 7 tokens crossing the scan's 4-token chunks."""
+    ids = torch.randint(1, 96, (2, 18), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        full = ours(ids)
+        cache = ours.new_cache(batch_size=2, max_len=18)
+        outs, lo = [], 0
+        for hi in (3, 4, 6, 11, 18):
+            outs.append(ours(ids[:, lo:hi], kv_cache=cache))
+            lo = hi
+    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-5, atol=1e-5)
+
+
 def test_left_padded_prefill_then_decode_and_group_expand(ours):
     """Prompt of sample 0 left-padded by 3; decoding continues each sample as if run alone; a cache
     expanded for a GRPO group (each prompt x2) decodes the same."""
@@ -142,6 +156,36 @@ def test_left_padded_prefill_then_decode_and_group_expand(ours):
     torch.testing.assert_close(torch.cat(steps, 1)[1], ref1[0, 7:], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(torch.cat(group_steps, 1)[::2], torch.cat(steps, 1), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(torch.cat(group_steps, 1)[1::2], torch.cat(steps, 1), rtol=1e-6, atol=1e-6)
+
+
+def test_padding_after_real_tokens_in_a_cached_forward_is_refused(ours):
+    """The Mamba2 layers zero a padded token's input, but it still shifts their conv window and decays their SSM
+    state, so a pad after a sequence's first real token (right padding, or a left-padded chunk appended to a cache
+    that holds tokens) would give that sequence wrong logits from then on, silently. Measured against the same
+    tokens without padding (row 1 of the chunk differed by ~2 in the logits); refused, naming the input."""
+    g = torch.Generator().manual_seed(6)
+    a, b = torch.randint(1, 96, (1, 10), generator=g), torch.randint(1, 96, (1, 8), generator=g)
+    with torch.no_grad():
+        cache = ours.new_cache(batch_size=2, max_len=16)
+        ours(torch.cat([a[:, :7], b[:, :7]]), kv_cache=cache)
+        chunk = torch.cat([a[:, 7:10], torch.cat([torch.zeros(1, 2, dtype=torch.long), b[:, 7:8]], 1)])
+        mask = torch.ones_like(chunk)
+        mask[1, :2] = 0
+        with pytest.raises(ValueError, match="attention_mask: padding after a real token"):
+            ours(chunk, attention_mask=mask, kv_cache=cache)
+        assert cache.seq_len == 7  # the refused chunk left the cache as it was: the rows go on without it
+        step = ours(torch.cat([a[:, 7:8], b[:, 7:8]]), kv_cache=cache)
+        torch.testing.assert_close(step[0, 0], ours(a[:, :8])[0, -1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(step[1, 0], ours(b)[0, -1], rtol=1e-5, atol=1e-5)
+        right = torch.ones(2, 5, dtype=torch.long)
+        right[0, 3:] = 0  # a right-padded prompt into an empty cache
+        with pytest.raises(ValueError, match="attention_mask: padding after a real token"):
+            ours(torch.cat([a[:, :5], b[:, :5]]), attention_mask=right, kv_cache=ours.new_cache(batch_size=2, max_len=8))
+        whole = torch.ones(2, 8, dtype=torch.long)  # a mask over cached + new tokens without padding is fine
+        cache = ours.new_cache(batch_size=2, max_len=8)
+        ours(torch.cat([a[:, :7], b[:, :7]]), kv_cache=cache)
+        last = ours(torch.cat([a[:, 7:8], b[:, 7:8]]), attention_mask=whole, kv_cache=cache)
+    torch.testing.assert_close(last, step, rtol=1e-6, atol=1e-6)
 
 
 def test_in_memory_layout_loads_too(hf_folder, tmp_path):

@@ -120,6 +120,33 @@ def test_kv_cache_decoding_matches_full_forward(models):
             _assert_close(ref[:, col : col + 1], step)
 
 
+def test_images_and_videos_appended_to_a_cache_match_full_forward(models):
+    """A chunk with images / videos fed to a cache that holds tokens (a later turn: `forward(ids, pixels..., kv_cache=)`)
+    gets the positions the whole sequence has (its index from 0 shifted to each sequence's next text position) and
+    moves the rope deltas on, so the next step continues right. It used to get text positions (logits off by ~0.2)."""
+    hf, ours = models
+    g = torch.Generator().manual_seed(11)
+    heads = [F.build_sample([4], g), F.build_sample([6], g)]
+    tails = [F.build_sample([2, ("image", (1, 4, 4)), 3], g), F.build_sample([("video", (2, 4, 2)), 1, ("image", (1, 2, 2))], g)]
+    last = torch.randint(2, 290, (2, 1), generator=g)
+    chunk = F.batch_samples(tails, padding_side="left")
+    cache = ours.new_cache(2, 64)
+    with torch.no_grad():
+        head = F.batch_samples(heads, padding_side="left")
+        ours(head["input_ids"], head["attention_mask"], kv_cache=cache)
+        mask = torch.cat([head["attention_mask"], chunk["attention_mask"]], 1)
+        out = ours(chunk["input_ids"], mask, chunk["pixel_values"], chunk["image_grid_thw"], chunk["pixel_values_videos"],
+                   chunk["video_grid_thw"], kv_cache=cache)
+        step = ours(last, kv_cache=cache)
+    for i, (h, t) in enumerate(zip(heads, tails)):
+        whole = {k: v for k, v in t.items()}
+        whole["input_ids"] = h["input_ids"] + t["input_ids"] + last[i].tolist()
+        ref = _ref(hf, {k: v for k, v in F.batch_samples([whole]).items() if v is not None})[0]
+        n = len(t["input_ids"])
+        _assert_close(ref[len(h["input_ids"]):-1], out[i, -n:])
+        _assert_close(ref[-1:], step[i])
+
+
 def test_return_hidden_matches_reference_last_hidden_state(models):
     hf, ours = models
     g = torch.Generator().manual_seed(8)

@@ -336,12 +336,14 @@ def parallelize_blocks(
     forward). `mesh` None skips FSDP (with a `param_dtype`: `apply_input_casts`). `ignored_params` are kept out of FSDP (expert-parallel weights).
     """
     policy = checkpoint_blocks(blocks, activation_checkpointing)
-    if policy == "selective" and mesh is not None and fp32_units(root if root is not None else model, param_dtype):
+    units = {id(m) for m in fp32_units(root if root is not None else model, param_dtype)}
+    if policy == "selective" and mesh is not None and any(id(m) in units for b in blocks for m in b.modules()):
         # a nested FSDP2 unit's hooks (gather, casts, profiler ranges) may dispatch other operators when the
         # checkpoint recomputes the block than in its forward (one rank, torch 2.13), which a selective checkpoint's
         # per-operator replay refuses at the first backward: checkpointed per child and piece instead, as under
         # parallel.compile (every layout: what the hooks dispatch is not the model's to promise), so that the
-        # router's hooks run outside every checkpoint (its own piece checkpoints its forward, not its hooks)
+        # router's hooks run outside every checkpoint (its own piece checkpoints its forward, not its hooks); an fp32
+        # unit outside the blocks (a reward model's head) needs none of this
         split_selective_checkpoints(blocks)
     if getattr(parallel_cfg, "compile", False):
         apply_compile(blocks)

@@ -48,3 +48,17 @@ def pytest_collection_modifyitems(config, items):
             has_npu = _npu_available() if has_npu is None else has_npu
             if not has_npu:
                 item.add_marker(pytest.mark.skip(reason="needs an Ascend NPU"))
+
+
+@pytest.fixture
+def gloo_world_of_one(tmp_path):
+    """A one-process gloo default group for a test (FSDP2 / DTensor on one CPU rank), torn down after it; an
+    already initialised group is used as it is."""
+    import torch.distributed as dist
+
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    if own:
+        dist.destroy_process_group()

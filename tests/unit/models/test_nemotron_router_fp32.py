@@ -3,7 +3,6 @@
 bf16, the same router input picked other experts than transformers' bf16 model for ~1 % of tokens."""
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors import safe_open
 from test_nemotron_h import TEXT_CFG, randomise_
 from transformers import NemotronHConfig, NemotronHForCausalLM
@@ -76,17 +75,8 @@ def test_bf16_export_keeps_router_weights_and_biases_fp32(folder, tmp_path):
     assert dtypes["lm_head.weight"] == torch.bfloat16
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    if own:
-        dist.destroy_process_group()
 
-
-def test_fsdp_bf16_mixed_precision_gathers_routers_in_fp32(folder, one_rank_group):
+def test_fsdp_bf16_mixed_precision_gathers_routers_in_fp32(folder, gloo_world_of_one):
     from torch.distributed.device_mesh import init_device_mesh
 
     from megatron_vlm.parallel import apply_fsdp

@@ -8,7 +8,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megatron_vlm.parallel.apply import parallelize_blocks
@@ -53,18 +52,9 @@ class _Root(nn.Module):
         return self.head(x)
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    if own:
-        dist.destroy_process_group()
-
 
 @pytest.mark.parametrize("router_in_blocks", [False, True])
-def test_only_blocks_holding_an_fp32_unit_are_split(one_rank_group, router_in_blocks):
+def test_only_blocks_holding_an_fp32_unit_are_split(gloo_world_of_one, router_in_blocks):
     from torch.distributed.device_mesh import init_device_mesh
 
     root = _Root(router_in_blocks)

@@ -176,19 +176,8 @@ def test_a_bf16_run_exports_what_it_scored_with(tmp_path, tiny_vlm_folder):
     assert torch.equal(scored, trained), (scored, trained)
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    import torch.distributed as dist
 
-    own = not dist.is_initialized()
-    if own:
-        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    yield
-    if own:
-        dist.destroy_process_group()
-
-
-def test_fsdp_mixed_precision_trains_the_head_in_fp32(tmp_path, tiny_vlm_folder, one_rank_group):
+def test_fsdp_mixed_precision_trains_the_head_in_fp32(tmp_path, tiny_vlm_folder, gloo_world_of_one):
     """Under FSDP2's bf16 mixed precision the head is a unit of its own gathered in fp32: a training step (the
     zero-valued anchor included, which once read the resharded head and raised on mixing a DTensor) scores what
     the exported folder scores in a bf16 run, and the head gets its gradient."""

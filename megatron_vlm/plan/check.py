@@ -322,7 +322,7 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
                                                                 f"vLLM engine exceeds the device's {device_memory_gib:g} GiB", lines)
     lines += [
         f"memory per {'training ' if rollout_ranks else ''}rank (estimate; formulas in megatron_vlm/plan/memory.py)",
-        f"  {'weights+masters' if cfg.parallel.fsdp is False else 'master weights'} {gib(mem.params):>12}   gradients {gib(mem.grads):>12}   AdamW {gib(mem.optimizer):>12}",
+        f"  {_weights_label(cfg)} {gib(mem.params):>12}   gradients {gib(mem.grads):>12}   AdamW {gib(mem.optimizer):>12}",
         f"  gathered block {gib(mem.gathered):>12}   activations {gib(mem.activations)} (checkpointing on "
         f"{gib(mem.activations_ckpt)}, selective {gib(mem.activations_selective)}, off {gib(mem.activations_no_ckpt)})",
         *([] if rollout_ranks else
@@ -363,6 +363,14 @@ def copy_hint(cfg, copy_bytes: float, peak: float, device_memory_gib: float) -> 
     return [f"  hint: rl.rollout.weights = \"copy\" fits too (peak {gib(with_copy)} of {device_memory_gib:g} GiB): an own "
             "copy of the policy decodes without gathering weights at every step, in CUDA graphs on a GPU "
             "(rl.rollout.cuda_graphs = \"auto\"); \"shared\" runs eager lock-step steps"]
+
+
+def _weights_label(cfg) -> str:
+    """The memory plan's name for its weights line: an evaluation holds the weights only (no masters: nothing is
+    trained), a run without FSDP2 its bf16 weights and their fp32 masters, an FSDP2 run its master weights."""
+    if cfg.train.mode == "eval":
+        return "weights"
+    return "weights+masters" if cfg.parallel.fsdp is False else "master weights"
 
 
 def shared_in_place(cfg) -> bool:

@@ -301,6 +301,13 @@ def test_check_of_an_evaluation_counts_weights_and_kv_cache_not_training_state(q
     assert run_check(cfg, world_size=1, device_memory_gib=80.0, out=out, err=err) == 0, err.getvalue()
     text = out.getvalue()
     assert re.search(r"gradients +0\.00 GiB +AdamW +0\.00 GiB", text), text
+    assert re.search(r"^  weights +[0-9.]+ GiB", text, re.M), text  # an evaluation holds no master weights
+    cfg = load_config_dict({"model": {"path": str(qwen2_5_vl_3b)}, "train": {"mode": "eval"},
+                            "parallel": {"fsdp": False}, "eval": {"batch_size": 16, "samples": 4,
+                            "benchmarks": [{"name": "g", "path": "/d", "format": "geometry3k"}]}})
+    out = io.StringIO()
+    assert run_check(cfg, world_size=1, device_memory_gib=80.0, out=out, err=err) == 0, err.getvalue()
+    assert re.search(r"^  weights +[0-9.]+ GiB", out.getvalue(), re.M), out.getvalue()  # nor masters without FSDP2
     # Qwen2.5-VL-3B: 36 layers x 2 KV heads x head_dim 128, K and V, bf16; 16 prompts x 4 samples x 4096 slots
     kv = 2 * 36 * 2 * 128 * 2 * 16 * 4 * 4096 / 2**30
     assert f"rollout KV cache {kv:.2f} GiB" in text, text

@@ -29,7 +29,15 @@ from torch import nn
 from megatron_vlm.data.batch import model_inputs
 from megatron_vlm.host_copies import on_host
 
-__all__ = ["ScoreRoot", "NoLMHead", "head_std"]
+__all__ = ["ScoreRoot", "ScoreHead", "NoLMHead", "head_std"]
+
+
+class ScoreHead(nn.Linear):
+    """The scalar head, kept and computed in fp32 under mixed precision (`fp32_weight`: an FSDP2 unit of its own
+    gathered in fp32, no bf16 copy without FSDP2), as the scorer computes it from the exported fp32 head: a
+    bf16-rounded head in training scored other values."""
+
+    fp32_weight = True
 
 
 class NoLMHead(nn.Identity):
@@ -61,10 +69,7 @@ class ScoreRoot(nn.Module):
         hidden = int(head.in_features)
         model.lm_head = NoLMHead(head.weight.dtype)
         self.model: Any = model
-        self.score = nn.Linear(hidden, 1, bias=False, dtype=torch.float32)
-        # kept and computed in fp32 under mixed precision (its own FSDP2 unit, no bf16 weight without FSDP2), as the
-        # scorer computes it from the exported fp32 head: a bf16-rounded head in training scored other values
-        self.score.fp32_weight = True
+        self.score = ScoreHead(hidden, 1, bias=False, dtype=torch.float32)
         g = torch.Generator().manual_seed(int(seed))
         with torch.no_grad():
             self.score.weight.copy_(torch.randn(self.score.weight.shape, generator=g) * std)

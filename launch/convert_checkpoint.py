@@ -19,8 +19,8 @@ adapter folder (ours or one trained with `peft`) is merged into its base model w
 
     python launch/convert_checkpoint.py --adapter runs/x/adapter --model-path /ckpt/base --merge --out /tmp/hf
 
-Weights are written in the run's `checkpoint.export_dtype` (from its config.toml; unset: as the checkpoint holds
-them, fp32) or in `--dtype` (float32 / bfloat16 / float16), which overrides it; an adapter merge (`--adapter`) is
+Weights are written in the run's `checkpoint.export_dtype` (from its config.toml; unset: as the run held them,
+its `model.dtype`, fp32 by default, as the run's own export) or in `--dtype` (float32 / bfloat16 / float16), which overrides it; an adapter merge (`--adapter`) is
 written in `--dtype` (default: the base model's, as loaded: fp32). Tensors kept in fp32 on purpose (MoE routers)
 stay fp32. A run's data pixel limits (`data.min_pixels` / `max_pixels`, `data.video_*`) are written into the
 exported processor configs, as the run's own export does. A PEFT adapter folder keeps its own dtype.
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     p.add_argument("--merge", action="store_true", help="LoRA: write the full model with the adapter merged in")
     p.add_argument("--dtype", choices=_DTYPES, default=None,
                    help="dtype of the written weights (default: the run's checkpoint.export_dtype from its config.toml; "
-                        "unset there, or for --adapter: as held, float32); tensors kept in float32 on purpose stay so")
+                        "unset there: its model.dtype, as the run's own export; for --adapter: float32); tensors kept in float32 on purpose stay so")
     a = p.parse_args(argv)
 
     out = Path(a.out)
@@ -147,6 +147,11 @@ def _convert_checkpoint(ckpt: Path, model_path, out: str, *, merge: bool, dtype=
         if dtype is not None and dtype not in _DTYPES:
             return _error(f"{cfg_file}: checkpoint.export_dtype: expected one of {', '.join(_DTYPES)}, got {dtype!r}; "
                           "pass --dtype")
+        if dtype is None:  # unset: as the run held its weights (model.dtype), which its own export writes
+            held = (run_cfg.get("model") or {}).get("dtype")
+            if held is not None and held not in _DTYPES:
+                return _error(f"{cfg_file}: model.dtype: expected one of {', '.join(_DTYPES)}, got {held!r}; pass --dtype")
+            dtype = None if held == "float32" else held
     data = run_cfg.get("data")
     pixel_limits = data_pixel_limits(SimpleNamespace(**data) if isinstance(data, dict) else None)
     if model_path is None:

@@ -94,3 +94,28 @@ def test_a_bad_export_dtype_in_the_runs_config_is_one_line_exit_2(run, tmp_path,
         cfg.write_text(kept)
     assert code == 2 and "checkpoint.export_dtype" in err and "--dtype" in err
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_bf16_run_without_export_dtype_converts_as_its_own_export(run, tmp_path, capsys):
+    """`model.dtype = "bfloat16"` (the weights held in bf16) and no `checkpoint.export_dtype`: the run's own export is
+    "as the run holds them", bf16; the converter built an fp32 model, read the bf16 checkpoint into it and wrote an
+    fp32 folder (twice the size, config.json naming float32). Reference: the run's export path
+    (`export_hf_from_state_dict` of the held state dict, no dtype), read back by safetensors."""
+    from safetensors.torch import load_file
+
+    from megatron_vlm.checkpoint.export import export_hf_from_state_dict
+
+    model = load_hf_model(run.base, dtype=torch.bfloat16)
+    wrapper = _Wrapper(model)
+    opt = torch.optim.AdamW(wrapper.parameters(), lr=1e-3)
+    layout = run_layout(NS(model=NS(path=str(run.base)), lora=None, train=NS(train_layers=[])),
+                        model_type=model.hf_config["model_type"], world_size=1, mcore_tp=None, mcore_ep=None)
+    CheckpointManager(tmp_path / "run", keep_last=0, rank=0).save(1, wrapper, opt, {"data": {}}, layout=layout)
+    (tmp_path / "run" / "config.toml").write_text(f'[model]\npath = "{run.base}"\ndtype = "bfloat16"\n')
+    export_hf_from_state_dict(model.state_dict(), run.base, tmp_path / "own")  # the run's export (rank 0's gather)
+    code, err = _convert(["--checkpoint", tmp_path / "run" / "checkpoints" / "step_1", "--out", tmp_path / "hf"], capsys)
+    assert code == 0, err
+    assert _dtypes(tmp_path / "hf") == _dtypes(tmp_path / "own") == {"BF16"}
+    own, conv = load_file(tmp_path / "own" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert own.keys() == conv.keys() and all(torch.equal(own[k], conv[k]) for k in own)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"

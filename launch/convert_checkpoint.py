@@ -20,10 +20,12 @@ adapter folder (ours or one trained with `peft`) is merged into its base model w
     python launch/convert_checkpoint.py --adapter runs/x/adapter --model-path /ckpt/base --merge --out /tmp/hf
 
 Weights are written in the run's `checkpoint.export_dtype` (from its config.toml; unset: as the run held them,
-its `model.dtype`, fp32 by default, as the run's own export) or in `--dtype` (float32 / bfloat16 / float16), which overrides it; an adapter merge (`--adapter`) is
-written in `--dtype` (default: the base model's, as loaded: fp32). Tensors kept in fp32 on purpose (MoE routers)
-stay fp32. A run's data pixel limits (`data.min_pixels` / `max_pixels`, `data.video_*`) are written into the
-exported processor configs, as the run's own export does. A PEFT adapter folder keeps its own dtype.
+its `model.dtype`, fp32 by default, as the run's own export) or in `--dtype` (float32 / bfloat16 / float16), which
+overrides it; an adapter merge (`--adapter`) is written in `--dtype` (default: the base model's, as loaded: fp32).
+Tensors kept in fp32 on purpose (MoE routers) stay fp32. A checkpoint's LoRA adapter is written in the run's
+`model.dtype`, as the run writes its own; a PEFT adapter folder keeps its own dtype. A run's data pixel limits
+(`data.min_pixels` / `max_pixels`, `data.video_*`) are written into the exported processor configs, as the run's
+own export does.
 
 Input problems (a checkpoint that is incomplete, unreadable or damaged, a model folder without config.json or of
 another size than the checkpoint's, a base model the adapter does not fit, `--out` a file, weights or adapter
@@ -147,11 +149,14 @@ def _convert_checkpoint(ckpt: Path, model_path, out: str, *, merge: bool, dtype=
         if dtype is not None and dtype not in _DTYPES:
             return _error(f"{cfg_file}: checkpoint.export_dtype: expected one of {', '.join(_DTYPES)}, got {dtype!r}; "
                           "pass --dtype")
-        if dtype is None:  # unset: as the run held its weights (model.dtype), which its own export writes
-            held = (run_cfg.get("model") or {}).get("dtype")
-            if held is not None and held not in _DTYPES:
-                return _error(f"{cfg_file}: model.dtype: expected one of {', '.join(_DTYPES)}, got {held!r}; pass --dtype")
-            dtype = None if held == "float32" else held
+    held = (run_cfg.get("model") or {}).get("dtype")  # the dtype the run held its weights in (model.dtype)
+    if held is not None and held not in _DTYPES:
+        if dtype is None:
+            return _error(f"{cfg_file}: model.dtype: expected one of {', '.join(_DTYPES)}, got {held!r}; pass --dtype")
+        held = None  # --dtype given: written in it (a LoRA adapter as read)
+    held = None if held == "float32" else held
+    if dtype is None:  # export_dtype unset: as the run held its weights, which its own export writes
+        dtype = held
     data = run_cfg.get("data")
     pixel_limits = data_pixel_limits(SimpleNamespace(**data) if isinstance(data, dict) else None)
     if model_path is None:
@@ -206,6 +211,8 @@ def _convert_checkpoint(ckpt: Path, model_path, out: str, *, merge: bool, dtype=
         sd = _mcore_to_native(sd, model, *mcore)
     check_finite(sd, f"{ckpt}: the checkpoint is corrupt")
     if lora is not None and not merge:
+        if held is not None:  # the run's factors are held, and its adapter written, in model.dtype
+            sd = {k: v.to(_export_dtype(held)) if ".lora_A." in k or ".lora_B." in k else v for k, v in sd.items()}
         write_adapter(Path(out), sd, hf_config, lora, base_model_name_or_path=str(model_path))
         print(f"wrote {out} (PEFT adapter; --merge writes the merged model)")
         return 0

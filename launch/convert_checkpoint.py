@@ -151,12 +151,8 @@ def _convert_checkpoint(ckpt: Path, model_path, out: str, *, merge: bool, dtype=
                           "pass --dtype")
     held = (run_cfg.get("model") or {}).get("dtype")  # the dtype the run held its weights in (model.dtype)
     if held is not None and held not in _DTYPES:
-        if dtype is None:
-            return _error(f"{cfg_file}: model.dtype: expected one of {', '.join(_DTYPES)}, got {held!r}; pass --dtype")
-        held = None  # --dtype given: written in it (a LoRA adapter as read)
+        return _error(f"{cfg_file}: model.dtype: expected one of {', '.join(_DTYPES)}, got {held!r}")
     held = None if held == "float32" else held
-    if dtype is None:  # export_dtype unset: as the run held its weights, which its own export writes
-        dtype = held
     data = run_cfg.get("data")
     pixel_limits = data_pixel_limits(SimpleNamespace(**data) if isinstance(data, dict) else None)
     if model_path is None:
@@ -187,6 +183,8 @@ def _convert_checkpoint(ckpt: Path, model_path, out: str, *, merge: bool, dtype=
         return _error(f"--merge: {ckpt} holds no LoRA adapter (a full model); convert it without --merge")
     hf_config = json.loads((Path(model_path) / "config.json").read_text())
     model = build_model(hf_config, device="cpu")
+    if held is not None:  # as the run held its weights (load_hf_model in model.dtype): its export, merge and adapter
+        model.to(dtype=_export_dtype(held))  # are written from them as held; a reward model's head stays fp32
     if lora is None and _holds_score_head(ckpt):  # a reward-model run's (train.mode = "reward")
         return _convert_reward_checkpoint(ckpt, model, model_path, out, dtype, pixel_limits)
     if lora is not None:
@@ -211,8 +209,6 @@ def _convert_checkpoint(ckpt: Path, model_path, out: str, *, merge: bool, dtype=
         sd = _mcore_to_native(sd, model, *mcore)
     check_finite(sd, f"{ckpt}: the checkpoint is corrupt")
     if lora is not None and not merge:
-        if held is not None:  # the run's factors are held, and its adapter written, in model.dtype
-            sd = {k: v.to(_export_dtype(held)) if ".lora_A." in k or ".lora_B." in k else v for k, v in sd.items()}
         write_adapter(Path(out), sd, hf_config, lora, base_model_name_or_path=str(model_path))
         print(f"wrote {out} (PEFT adapter; --merge writes the merged model)")
         return 0

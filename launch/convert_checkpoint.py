@@ -2,8 +2,9 @@
 """Convert a distributed training checkpoint to a Hugging Face folder (on demand; runs also export
 at the end). One process, CPU. What the checkpoint holds (the model path, LoRA or not, its r / alpha /
 rsLoRA) is read from its own `layout.json`, written with the shards; the run's config.toml beside
-`checkpoints/` is read only for a checkpoint written before that record existed (and for the adapter
-dropout it notes), so an edited or overwritten config.toml never changes what is exported.
+`checkpoints/` is read for what the layout record does not hold (a checkpoint written before that record existed;
+the adapter dropout it notes; the dtypes and pixel limits below), so an edited or overwritten config.toml never
+changes which weights are exported (their dtype and the processor limits follow the config.toml found).
 
     python launch/convert_checkpoint.py --checkpoint runs/demo_sft/checkpoints/step_100 --out /tmp/hf
 

@@ -2,8 +2,9 @@
 """Convert a distributed training checkpoint to a Hugging Face folder (on demand; runs also export
 at the end). One process, CPU. What the checkpoint holds (the model path, LoRA or not, its r / alpha /
 rsLoRA) is read from its own `layout.json`, written with the shards; the run's config.toml beside
-`checkpoints/` is read only for a checkpoint written before that record existed (and for the adapter
-dropout it notes), so an edited or overwritten config.toml never changes what is exported.
+`checkpoints/` is read for what the layout record does not hold (a checkpoint written before that record existed;
+the adapter dropout it notes; the dtypes and pixel limits below), so an edited or overwritten config.toml never
+changes which weights are exported (their dtype and the processor limits follow the config.toml found).
 
     python launch/convert_checkpoint.py --checkpoint runs/demo_sft/checkpoints/step_100 --out /tmp/hf
 
@@ -19,11 +20,13 @@ adapter folder (ours or one trained with `peft`) is merged into its base model w
 
     python launch/convert_checkpoint.py --adapter runs/x/adapter --model-path /ckpt/base --merge --out /tmp/hf
 
-Weights are written in the run's `checkpoint.export_dtype` (from its config.toml; unset: as the checkpoint holds
-them, fp32) or in `--dtype` (float32 / bfloat16 / float16), which overrides it; an adapter merge (`--adapter`) is
-written in `--dtype` (default: the base model's, as loaded: fp32). Tensors kept in fp32 on purpose (MoE routers)
-stay fp32. A run's data pixel limits (`data.min_pixels` / `max_pixels`, `data.video_*`) are written into the
-exported processor configs, as the run's own export does. A PEFT adapter folder keeps its own dtype.
+Weights are written in the run's `checkpoint.export_dtype` (from its config.toml; unset: as the run held them,
+its `model.dtype`, fp32 by default, as the run's own export) or in `--dtype` (float32 / bfloat16 / float16), which
+overrides it; an adapter merge (`--adapter`) is written in `--dtype` (default: the base model's, as loaded: fp32).
+Tensors kept in fp32 on purpose (MoE routers) stay fp32. A checkpoint's LoRA adapter is written in the run's
+`model.dtype`, as the run writes its own; a PEFT adapter folder keeps its own dtype. A run's data pixel limits
+(`data.min_pixels` / `max_pixels`, `data.video_*`) are written into the exported processor configs, as the run's
+own export does.
 
 Input problems (a checkpoint that is incomplete, unreadable or damaged, a model folder without config.json or of
 another size than the checkpoint's, a base model the adapter does not fit, `--out` a file, weights or adapter
@@ -96,7 +99,7 @@ def main(argv=None) -> int:
     p.add_argument("--merge", action="store_true", help="LoRA: write the full model with the adapter merged in")
     p.add_argument("--dtype", choices=_DTYPES, default=None,
                    help="dtype of the written weights (default: the run's checkpoint.export_dtype from its config.toml; "
-                        "unset there, or for --adapter: as held, float32); tensors kept in float32 on purpose stay so")
+                        "unset there: its model.dtype, as the run's own export; for --adapter: float32); tensors kept in float32 on purpose stay so")
     a = p.parse_args(argv)
 
     out = Path(a.out)
@@ -147,6 +150,10 @@ def _convert_checkpoint(ckpt: Path, model_path, out: str, *, merge: bool, dtype=
         if dtype is not None and dtype not in _DTYPES:
             return _error(f"{cfg_file}: checkpoint.export_dtype: expected one of {', '.join(_DTYPES)}, got {dtype!r}; "
                           "pass --dtype")
+    held = (run_cfg.get("model") or {}).get("dtype")  # the dtype the run held its weights in (model.dtype)
+    if held is not None and held not in _DTYPES:
+        return _error(f"{cfg_file}: model.dtype: expected one of {', '.join(_DTYPES)}, got {held!r}")
+    held = None if held == "float32" else held
     data = run_cfg.get("data")
     pixel_limits = data_pixel_limits(SimpleNamespace(**data) if isinstance(data, dict) else None)
     if model_path is None:
@@ -177,6 +184,8 @@ def _convert_checkpoint(ckpt: Path, model_path, out: str, *, merge: bool, dtype=
         return _error(f"--merge: {ckpt} holds no LoRA adapter (a full model); convert it without --merge")
     hf_config = json.loads((Path(model_path) / "config.json").read_text())
     model = build_model(hf_config, device="cpu")
+    if held is not None:  # as the run held its weights (load_hf_model in model.dtype): its export, merge and adapter
+        model.to(dtype=_export_dtype(held))  # are written from them as held; a reward model's head stays fp32
     if lora is None and _holds_score_head(ckpt):  # a reward-model run's (train.mode = "reward")
         return _convert_reward_checkpoint(ckpt, model, model_path, out, dtype, pixel_limits)
     if lora is not None:

@@ -28,7 +28,7 @@ from megatron_vlm.config.loader import ConfigError, die, parse_override_value  #
 def _refuse_a_training_mode(argv: list[str]) -> None:
     """Exit 2 when a `--set train.mode=...` (or an inline `--set train={mode=...}`) asks for anything but "eval", or an `--unset` would take away the
     train.mode = "eval" this entry point sets (`train.mode`, `train`): it never trains."""
-    p = argparse.ArgumentParser(add_help=False)  # the --set items only, read as launch/pretrain_vlm.py reads them
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # the --set items, as launch/pretrain_vlm.py reads them
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--unset", dest="unsets", action="append", default=[])
     args = p.parse_known_args(argv)[0]

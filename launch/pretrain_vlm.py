@@ -64,9 +64,22 @@ class _Unset(argparse.Action):
         setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), f"{UNSET_PREFIX}{values}"])
 
 
+class _Once(argparse.Action):
+    """`--config` given once: a second one is an error (exit 2), not the first file silently dropped (argparse keeps
+    the last value; a user layering a base config and a change got the change alone, every other key its default)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)!r}, then {values!r}): one "
+                         "config file per run; change its keys with --set / --unset")
+        setattr(namespace, self.dest, values)
+
+
 def parse_args(argv=None, description: str = "Train or evaluate a vision-language model (SFT, GRPO, DPO or eval)."):
-    p = argparse.ArgumentParser(description=description)
-    p.add_argument("--config", required=True, help="TOML config file")
+    # whole option names only: launch/slurm/resolve_output_dir.py, which picks the run folder before the job starts,
+    # reads `--set` / `--unset` by their whole names; an abbreviation (`--se train.output_dir=/x`) trained elsewhere
+    p = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    p.add_argument("--config", required=True, action=_Once, help="TOML config file (once)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value (value parsed as TOML; bare words are strings; an entry of an "
                         "array of tables as rl.rewards[0].weight=0.5; a section's inline table sets the keys it "

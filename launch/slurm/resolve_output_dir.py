@@ -33,10 +33,14 @@ def override_value(text: str, key: str = "train.output_dir"):
 
 def overrides_from_argv(args: list[str]) -> list[str]:
     """The `section.key=value` items of `--set X` / `--set=X` and the `~section.key` items of `--unset X` /
-    `--unset=X` (as launch/pretrain_vlm.py passes them on), in the order given."""
+    `--unset=X` (as launch/pretrain_vlm.py passes them on), in the order given. A `--config` is refused: the entry
+    point would read that file, not the one the run folder was picked from."""
     out, i = [], 0
     while i < len(args):
         a = args[i]
+        if a == "--config" or a.startswith("--config="):  # the entry point refuses a second one too (exit 2)
+            raise SystemExit("resolve_output_dir: --config among the training arguments: the config is train.sbatch's "
+                             "first argument (one config file per run; change its keys with --set / --unset)")
         for flag, mark in (("--set", ""), ("--unset", "~")):
             if a == flag:
                 if i + 1 >= len(args):

@@ -44,7 +44,8 @@ would otherwise be lost (the newest checkpoint is older than the steps that were
 
 A checkpoint of a later step than `total_steps` (train.max_steps lowered since) is refused (ConfigError: exit 2)
 rather than evaluated and exported as this run's result. A run that reaches `total_steps` saves the final
-checkpoint (only when it ran a step), evaluates and exports a Hugging Face folder (`checkpoint.export_hf`).
+checkpoint (only when it ran a step), evaluates (not again when it resumed at that step and the metrics hold its
+evaluation: the export had failed or was killed) and exports a Hugging Face folder (`checkpoint.export_hf`).
 `steps.finish()` runs in both cases.
 """
 from __future__ import annotations
@@ -116,6 +117,14 @@ def _not_evaluated(ctx: RunContext, metrics, step: int) -> bool:
     evaluated it, which left a hole in the evaluation curve. A logger that cannot tell (no CSV) says no."""
     logged = getattr(metrics, "logged", None)
     return any_rank(logged is not None and logged("eval", step) is False, ctx.device)
+
+
+def _evaluated(ctx: RunContext, metrics, step: int) -> bool:
+    """Whether the metrics hold an evaluation row of `step` (every rank alike, as `_not_evaluated`). Why: a run
+    resumed at its last step (its export failed, or it was killed while exporting, after the final evaluation was
+    logged) evaluated that step again and logged a second row of it. A logger that cannot tell says no."""
+    logged = getattr(metrics, "logged", None)
+    return any_rank(logged is not None and logged("eval", step) is True, ctx.device)
 
 
 def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpointer: Checkpointer, metrics,
@@ -231,7 +240,11 @@ def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpoint
     if code == 0:
         if checkpointer.enabled:
             save(step)  # nothing when no step ran since the resume point
-        if not evaluate(step):  # given up for a stop: the requeued run (resumed at this step) evaluates and exports
+        logged_before = resume is not None and step == start and _evaluated(ctx, metrics, step)
+        if logged_before:
+            log.info("step %d, the resume step and the last, was evaluated by the earlier run (its row is in the "
+                     "metrics): not evaluating it again", step)
+        if not logged_before and not evaluate(step):  # given up for a stop: the requeued run (resumed at this step) evaluates and exports
             log.warning("the final evaluation was abandoned: not exporting; a run resumed from step %d evaluates and "
                         "exports", step)
             code = EXIT_STOPPED

@@ -99,3 +99,30 @@ def test_check_under_torchrun_prints_once_and_exits_alike_on_every_rank(world_si
         printed.append(cap.out + cap.err)
     assert ("check ok" if code == 0 else "check failed: --world-size") in printed[0]
     assert printed[1] == ""
+
+
+@pytest.mark.parametrize("script", ["pretrain_vlm", "evaluate"])
+def test_a_second_config_is_refused_not_silently_taken_for_the_first(script, capsys):
+    """`--config a.toml --config b.toml` ran b alone (argparse keeps the last value), the first file dropped without
+    a word (a user layering a base and a change got the change's defaults for everything else); exit 2 naming
+    --config, before either file is read."""
+    mod = import_launch_script(script)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--config", "/nonexistent/a.toml", "--config", "/nonexistent/b.toml"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--config" in err and "config file not found" not in err, err
+
+
+@pytest.mark.parametrize("flag", ["--se", "--uns", "--conf"])
+def test_an_abbreviated_option_is_refused(flag, capsys):
+    """argparse took `--se` for `--set` (and `--conf` for `--config`); launch/slurm/resolve_output_dir.py, which picks
+    the run folder before the job starts, reads only the whole names, so `--se train.output_dir=/x` trained in /x
+    while the Slurm logs and the `finished` marker went to the config's folder. Whole option names only."""
+    pretrain = import_launch_script("pretrain_vlm")
+    argv = ["--config", str(REPO / "launch" / "configs" / "demo_sft.toml"), "--check", "--device-memory-gib", "80"]
+    with pytest.raises(SystemExit) as e:
+        pretrain.main([*argv, flag, "train.output_dir=/x" if flag != "--conf" else "/nonexistent.toml"]
+                      if flag != "--uns" else [*argv, flag, "train.output_dir"])
+    assert e.value.code == 2
+    assert "unrecognized arguments" in capsys.readouterr().err

@@ -134,13 +134,20 @@ class PrecomputedReference:
         sizes = {split: int(ld.num_pairs) for split, ld in loaders.items()}
         plans = {split: _plan_digest(ld) for split, ld in loaders.items()}
         if path.is_file():
-            saved = torch.load(path, map_location="cpu", weights_only=True)
-            if saved.get("sizes") == sizes and saved.get("model") == model_path and saved.get("plans") == plans \
+            try:
+                saved = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001 - an unreadable file costs one pass, never a crash at every start
+                log.warning("dpo: %s is unreadable (%s: %s); scoring again", path, type(e).__name__, e)
+                saved = {}
+            if not isinstance(saved, dict):
+                saved = {}
+            if saved and saved.get("sizes") == sizes and saved.get("model") == model_path and saved.get("plans") == plans \
                     and isinstance(saved.get("scored"), dict):
                 log.info("dpo: reference log-probs read from %s (%s pairs)", path, sizes)
                 return cls(dict(saved["tables"]), dict(saved["scored"]))
-            log.warning("dpo: %s was computed for other data, another packing plan or another model, or does not say "
-                        "which pairs it scored (%s); scoring again", path, saved.get("sizes"))
+            if saved:
+                log.warning("dpo: %s was computed for other data, another packing plan or another model, or does not "
+                            "say which pairs it scored (%s); scoring again", path, saved.get("sizes"))
         partial = _Partial(Path(run_dir), {"sizes": sizes, "model": model_path, "plans": plans,
                                            "packs": {split: _num_packs(ld) for split, ld in loaders.items()},
                                            "world": world_size(), "copies": copies})

@@ -162,3 +162,16 @@ def test_bench_refuses_one_json_path_for_every_benchmark(tmp_path, given):
     res = subprocess.run(["bash", str(BENCH_SBATCH), "--quick", *given], capture_output=True, text=True, cwd=tmp_path,
                          env={**clean_env(), "DRY_RUN": "1"}, timeout=60)
     assert res.returncode == 2 and "--json" in res.stderr and "own <bench name>.json" in res.stderr
+
+
+@pytest.mark.parametrize("extra", [["--config", "other.toml"], ["--config=other.toml"]])
+def test_a_second_config_after_the_first_argument_is_refused_before_any_folder_is_made(tmp_path, extra):
+    """The config is the script's first argument; a `--config` among the training arguments was passed on to the
+    entry point, which read that file instead (argparse keeps the last), while the run folder, its logs and the
+    `finished` marker came from the first: exit 2 at once, as the entry point now refuses a second --config."""
+    config = write_config(tmp_path, '[train]\noutput_dir = "first/run"\nmax_steps = 2\n')
+    (tmp_path / "other.toml").write_text('[train]\noutput_dir = "second/run"\nmax_steps = 2\n')
+    res = run_script(tmp_path, [str(config), *extra], job_env(DRY_RUN="1"))
+    assert res.returncode == 2, res.stderr
+    assert "--config" in res.stderr and "first argument" in res.stderr, res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.toml", "other.toml"]

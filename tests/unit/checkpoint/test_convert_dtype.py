@@ -94,3 +94,53 @@ def test_a_bad_export_dtype_in_the_runs_config_is_one_line_exit_2(run, tmp_path,
         cfg.write_text(kept)
     assert code == 2 and "checkpoint.export_dtype" in err and "--dtype" in err
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_bf16_run_without_export_dtype_converts_as_its_own_export(run, tmp_path, capsys):
+    """`model.dtype = "bfloat16"` (the weights held in bf16) and no `checkpoint.export_dtype`: the run's own export is
+    "as the run holds them", bf16; the converter built an fp32 model, read the bf16 checkpoint into it and wrote an
+    fp32 folder (twice the size, config.json naming float32). Reference: the run's export path
+    (`export_hf_from_state_dict` of the held state dict, no dtype), read back by safetensors."""
+    from safetensors.torch import load_file
+
+    from megatron_vlm.checkpoint.export import export_hf_from_state_dict
+
+    model = load_hf_model(run.base, dtype=torch.bfloat16)
+    wrapper = _Wrapper(model)
+    opt = torch.optim.AdamW(wrapper.parameters(), lr=1e-3)
+    layout = run_layout(NS(model=NS(path=str(run.base)), lora=None, train=NS(train_layers=[])),
+                        model_type=model.hf_config["model_type"], world_size=1, mcore_tp=None, mcore_ep=None)
+    CheckpointManager(tmp_path / "run", keep_last=0, rank=0).save(1, wrapper, opt, {"data": {}}, layout=layout)
+    (tmp_path / "run" / "config.toml").write_text(f'[model]\npath = "{run.base}"\ndtype = "bfloat16"\n')
+    export_hf_from_state_dict(model.state_dict(), run.base, tmp_path / "own")  # the run's export (rank 0's gather)
+    code, err = _convert(["--checkpoint", tmp_path / "run" / "checkpoints" / "step_1", "--out", tmp_path / "hf"], capsys)
+    assert code == 0, err
+    assert _dtypes(tmp_path / "hf") == _dtypes(tmp_path / "own") == {"BF16"}
+    own, conv = load_file(tmp_path / "own" / "model.safetensors"), load_file(tmp_path / "hf" / "model.safetensors")
+    assert own.keys() == conv.keys() and all(torch.equal(own[k], conv[k]) for k in own)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_a_bf16_lora_run_converts_to_the_adapter_its_own_export_writes(run, tmp_path, capsys):
+    """A LoRA run with `model.dtype = "bfloat16"` holds bf16 factors and writes its adapter as held (bf16); the
+    converter read them into an fp32 model and wrote an fp32 adapter. Reference: the run's adapter path
+    (`write_adapter` of the held state dict), read back by safetensors."""
+    from safetensors.torch import load_file
+
+    lora = LoRAConfig(r=4, alpha=8.0, target_modules=["q_proj", "v_proj"])
+    model = load_hf_model(run.base, dtype=torch.bfloat16)
+    setup_lora(model, lora, model.hf_config)
+    wrapper = _Wrapper(model)
+    opt = torch.optim.AdamW([p for p in wrapper.parameters() if p.requires_grad], lr=1e-3)
+    layout = run_layout(NS(model=NS(path=str(run.base)), lora=lora, train=NS(train_layers=[])),
+                        model_type=model.hf_config["model_type"], world_size=1, mcore_tp=None, mcore_ep=None)
+    CheckpointManager(tmp_path / "run", keep_last=0, rank=0).save(1, wrapper, opt, {"data": {}}, layout=layout)
+    (tmp_path / "run" / "config.toml").write_text(f'[model]\npath = "{run.base}"\ndtype = "bfloat16"\n'
+                                                  '[lora]\nr = 4\nalpha = 8.0\ntarget_modules = ["q_proj", "v_proj"]\n')
+    write_adapter(tmp_path / "own", model.state_dict(), model.hf_config, lora, base_model_name_or_path=str(run.base))
+    code, err = _convert(["--checkpoint", tmp_path / "run" / "checkpoints" / "step_1", "--out", tmp_path / "ad"], capsys)
+    assert code == 0, err
+    own = load_file(tmp_path / "own" / "adapter_model.safetensors")
+    conv = load_file(tmp_path / "ad" / "adapter_model.safetensors")
+    assert {t.dtype for t in own.values()} == {torch.bfloat16}
+    assert own.keys() == conv.keys() and all(conv[k].dtype == own[k].dtype and torch.equal(own[k], conv[k]) for k in own)

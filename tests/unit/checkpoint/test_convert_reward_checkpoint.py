@@ -54,3 +54,28 @@ def test_a_reward_checkpoint_converts_to_a_folder_transformers_scores_as_trainin
     ref = hf_scores(hf, seqs)
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
     assert ref.std() > 1e-3
+
+
+def test_a_bf16_reward_checkpoint_converts_to_the_folder_its_run_exports(tmp_path, capsys):
+    """`model.dtype = "bfloat16"`, no export_dtype: the run exports its backbone as held (bf16) and its fp32 head; the
+    converter built an fp32 backbone and wrote it in fp32. Reference: the run's export (`export_score_folder` of
+    the held state, no dtype), read back by safetensors."""
+    from safetensors.torch import load_file
+
+    from megatron_vlm.testing.tiny_text_model import build_tiny_qwen_text_folder
+    from megatron_vlm.training.reward.export import export_score_folder
+
+    folder = build_tiny_qwen_text_folder(tmp_path / "causal", model_type="qwen2", seed=4)
+    root = ScoreRoot(load_hf_model(folder, dtype=torch.bfloat16, device="cpu"), std=0.5, seed=1)
+    opt = torch.optim.AdamW(root.parameters(), lr=1e-2)
+    layout = run_layout(NS(model=NS(path=str(folder)), lora=None, train=NS(train_layers=[])), model_type="qwen2",
+                        world_size=1, mcore_tp=None, mcore_ep=None)
+    CheckpointManager(tmp_path / "run", keep_last=0, rank=0).save(1, root, opt, {"data": {}}, layout=layout)
+    (tmp_path / "run" / "config.toml").write_text(f'[model]\npath = "{folder}"\ndtype = "bfloat16"\n')
+    export_score_folder(root.state_dict(), root.model, tmp_path / "own", copy_from=folder)
+    out = tmp_path / "converted"
+    code = convert_checkpoint.main(["--checkpoint", str(tmp_path / "run" / "checkpoints" / "step_1"), "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    own, conv = load_file(tmp_path / "own" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert own["score.weight"].dtype == torch.float32 and {v.dtype for k, v in own.items() if k != "score.weight"} == {torch.bfloat16}
+    assert own.keys() == conv.keys() and all(conv[k].dtype == own[k].dtype and torch.equal(own[k], conv[k]) for k in own)

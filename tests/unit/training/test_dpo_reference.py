@@ -308,3 +308,23 @@ def test_run_dpo_exits_143_when_the_reference_pass_is_stopped(monkeypatch):
     monkeypatch.setattr(jobs, "build_reference", stopped)
     monkeypatch.setattr(jobs, "total_steps", lambda *a: (_ for _ in ()).throw(AssertionError("no step after a stop")))
     assert jobs.run_dpo(SimpleNamespace(cfg=SimpleNamespace())) == EXIT_STOPPED == 143
+
+
+def test_an_unreadable_reference_file_is_scored_again_not_a_crash_at_every_start(tmp_path):
+    """The complete reference file truncated or emptied (a crash of the host after its rename: it is not fsynced, a
+    full disk, a copy cut short) made every start of the run end in torch.load's traceback before step 1, until the
+    file was found and deleted by hand; the partial file of a stopped pass was already read leniently. Scored again,
+    as the same pass into an empty folder scores it (reference: the tables of a fresh pass)."""
+    loader = _Loader([_pack([2, 0], [5, 6, 4, 7]), _pack([1], [6, 5])])
+    (tmp_path / "fresh").mkdir()
+    fresh = PrecomputedReference.load_or_compute(tmp_path / "fresh", _Scorer(), {"train": loader},
+                                                 device=torch.device("cpu"), copies=1, is_main=True, model_path="m")
+    for damaged in (b"", (tmp_path / "fresh" / REFERENCE_FILE).read_bytes()[:100]):
+        run = tmp_path / f"run{len(damaged)}"
+        run.mkdir()
+        (run / REFERENCE_FILE).write_bytes(damaged)
+        scorer = _Scorer()
+        ref = PrecomputedReference.load_or_compute(run, scorer, {"train": loader}, device=torch.device("cpu"), copies=1,
+                                                   is_main=True, model_path="m")
+        assert scorer.calls == 2 and torch.equal(ref.tables["train"], fresh.tables["train"])
+        assert torch.equal(torch.load(run / REFERENCE_FILE, weights_only=True)["tables"]["train"], fresh.tables["train"])

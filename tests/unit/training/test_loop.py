@@ -386,3 +386,30 @@ def test_a_step_that_agrees_the_stop_at_its_start_leaves_the_loop_no_read_betwee
     assert code == 143 and ckpt.saved == [(2, {"pos": 2})]
     code, steps, ckpt, flag = _agreeing(tmp_path, 1, eval_every=0, total=1)  # a one-step run
     assert code == 143 and ckpt.saved == [(1, {"pos": 1})] and flag.reads == [1]
+
+
+def test_a_run_resumed_at_its_last_step_does_not_log_the_final_evaluation_twice(tmp_path):
+    """The final evaluation was logged, then the export failed (disk full: exit 1) or the job was killed while
+    exporting; the run started again resumes at the last step, runs no step and exports. It evaluated that step a
+    second time and appended a second row of it to metrics_eval.csv (one row per step is promised: the rows after
+    the resume step are dropped, the resume step's own is kept). A logger that cannot tell still evaluates."""
+
+    class FailingExport(FakeCheckpointer):
+        def export_hf(self, out_dir):
+            raise SystemExit(1)
+
+    steps, logger = FakeSteps(), RecordingLogger()
+    with pytest.raises(SystemExit):
+        run_loop(_ctx(tmp_path, StopAt(steps, 10**9)), steps, total_steps=4, checkpointer=FailingExport(),
+                 metrics=logger, log_every=1, eval_every=2)
+    assert [s for split, s in logger.rows if split == "eval"] == [2, 4]
+    resumed, ckpt = FakeSteps(), FakeCheckpointer()
+    code = run_loop(_ctx(tmp_path, StopAt(resumed, 10**9)), resumed, total_steps=4, checkpointer=ckpt,
+                    metrics=logger, log_every=1, eval_every=2, resume=ResumePoint(step=4, data={"pos": 4}))
+    assert code == 0 and resumed.ran == [] and ckpt.exported == [tmp_path / "hf"]
+    assert [c for c in resumed.calls if c[0] == "eval"] == []
+    assert [s for split, s in logger.rows if split == "eval"] == [2, 4]
+    unknowing = FakeSteps()  # no CSV to ask: evaluated, as before
+    run_loop(_ctx(tmp_path, StopAt(unknowing, 10**9)), unknowing, total_steps=4, checkpointer=FakeCheckpointer(),
+             metrics=Logger(), log_every=1, eval_every=2, resume=ResumePoint(step=4, data={}))
+    assert ("eval", 4) in unknowing.calls

@@ -146,3 +146,21 @@ def test_a_kept_benchmark_is_scored_again_when_an_image_it_names_changed(folder,
     again = Stand(monkeypatch)
     jobs._evaluate_benchmarks(_ctx(tmp_path, model=model))
     assert again.evaluated == ["b", "c"]
+
+
+def test_only_local_files_a_row_names_are_signed(tmp_path):
+    """Embedded images are part of the data file's signature and a remote URL has no local file to sign; a table's
+    Image struct without bytes names its file; a missing file is signed as missing (it appears: scored again)."""
+    from megatron_vlm.data.messages import Record
+    from megatron_vlm.data.sources import ListRecords
+    from megatron_vlm.eval.resume import media_signatures
+
+    (tmp_path / "x.png").write_bytes(b"12345")
+    items = [{"type": "image", "image": b"\x89PNG"}, {"type": "image", "image": "https://example.org/a.png"},
+             {"type": "image", "image": {"bytes": b"\x89PNG", "path": "in_table.png"}},
+             {"type": "image", "image": {"bytes": None, "path": str(tmp_path / "x.png")}},
+             {"type": "video", "video": [str(tmp_path / "x.png"), str(tmp_path / "gone.png")]}]
+    rec = Record([{"role": "user", "content": items}, {"role": "assistant", "content": "a"}], "t", 1, {})
+    sigs = media_signatures(ListRecords("t", [rec]))
+    assert [(s["file"], s.get("size"), s.get("missing")) for s in sigs] == [
+        (str(tmp_path / "gone.png"), None, True), (str((tmp_path / "x.png").resolve()), 5, None)]

@@ -44,7 +44,7 @@ from megatron_vlm.eval.benchmark_eval import VerifierScorer, evaluate_benchmark
 from megatron_vlm.eval.benchmarks import open_benchmark
 from megatron_vlm.eval.grpo_accuracy import GRPOEvaluator
 from megatron_vlm.eval.report import clear_eval_results, write_eval_results
-from megatron_vlm.eval.resume import benchmark_fingerprint, evaluate_benchmarks_kept
+from megatron_vlm.eval.resume import benchmark_fingerprint, evaluate_benchmarks_kept, media_signatures
 from megatron_vlm.eval.settings import eval_settings
 from megatron_vlm.eval.sft import SFTEvaluator
 from megatron_vlm.parallel.collectives import barrier
@@ -263,11 +263,13 @@ def _evaluate_benchmarks(ctx: RunContext) -> list[dict]:
         clear_eval_results(ctx.run_dir)
     if cfg.eval.adapter:
         ctx = dataclasses.replace(ctx, cfg=dataclasses.replace(cfg, lora=_eval_adapter_lora(cfg.eval.adapter)))
-    data_identities = []
+    data_identities, media_files = [], []
     for i, bench in enumerate(cfg.eval.benchmarks):  # every benchmark's files readable before the first is scored
         opened = open_benchmark(bench, template=bench.prompt_template or cfg.eval.prompt_template,
                                 system_prompt=cfg.eval.system_prompt, key=f"eval.benchmarks[{i}].path")
         data_identities.append(opened.source.identity())
+        # the images its rows name by path: only rank 0 reads and writes kept results (eval/resume.py)
+        media_files.append(media_signatures(opened.source) if ctx.env.is_main else [])
     try:
         bundle = build_model_bundle(ctx)
     except LoRASetupError as e:
@@ -280,8 +282,8 @@ def _evaluate_benchmarks(ctx: RunContext) -> list[dict]:
     benches = cfg.eval.benchmarks
     # after the model build: a synthesized model folder exists now, as it will when the job runs again
     settings = eval_settings(cfg, ctx.env.world_size)
-    fingerprints = [benchmark_fingerprint(settings, i, b.name, data_identities[i], cfg.model.path, cfg.eval.adapter)
-                    for i, b in enumerate(benches)]
+    fingerprints = [benchmark_fingerprint(settings, i, b.name, data_identities[i], cfg.model.path, cfg.eval.adapter,
+                                          media_files[i]) for i, b in enumerate(benches)]
 
     def evaluate(i: int) -> dict:
         result = evaluate_benchmark(ctx, bundle, engine, benches[i], scorer, bench_index=i)

@@ -22,7 +22,13 @@ LLaVA, LLaMA-Factory and ms-swift train on). As many markers as media, else a "p
 marker without an image, or an image without a marker, is never trained as if it were right. Markers in
 an assistant turn are an "invalid_record" (assistant turns are text).
 
-The same marker placement applies to role / content messages whose contents are all text and whose record gives
+LLaVA-Video-178K (and LLaVA-NeXT's loader reading it) writes a video's place as "<image>": {"video": "x.mp4",
+"conversations": [{"from": "human", "value": "<image>\\n..."}, ...]}. A record with videos and no images, no
+"<video>" marker and exactly one "<image>" marker per video reads each "<image>" as the next video; any other
+mix keeps the markers' own meaning, so e.g. an image, a video and one "<image>" is still a placeholder_mismatch.
+
+The same marker placement (not the LLaVA-Video reading) applies to role / content messages whose contents are all
+text and whose record gives
 top-level media (ms-swift's standard layout: {"messages": [{"role": "user", "content": "<image>What ...?"}, ...],
 "images": [...]}; `place_marked_media`).
 
@@ -46,6 +52,7 @@ ROLE_OF = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "as
 """ShareGPT "from" value -> our role."""
 
 _MARKERS = {"image": "<image>", "video": "<video>"}
+_KIND_OF = {m: k for k, m in _MARKERS.items()}
 _SPLIT = re.compile("(<image>|<video>)")
 
 
@@ -86,8 +93,10 @@ def _tool_calls(value: str, where: str) -> list[dict]:
     return out
 
 
-def _place_media(text: str, role: str, queues: dict[str, list], used: dict[str, int], where: str) -> Any:
-    """`text` with its markers replaced by the next media items (a list of items), or `text` when it has none."""
+def _place_media(text: str, role: str, queues: dict[str, list], used: dict[str, int], where: str,
+                 kinds: dict[str, str] = _KIND_OF) -> Any:
+    """`text` with its markers replaced by the next media items (a list of items), or `text` when it has none;
+    `kinds` maps each marker to the kind of media it stands for."""
     if "<image>" not in text and "<video>" not in text:
         return text
     if role == "assistant":
@@ -95,7 +104,7 @@ def _place_media(text: str, role: str, queues: dict[str, list], used: dict[str, 
                                                "the other turns)")
     items: list[dict] = []
     for piece in _SPLIT.split(text):
-        kind = next((k for k, m in _MARKERS.items() if piece == m), None)
+        kind = kinds.get(piece)
         if kind is None:
             if piece:
                 items.append({"type": "text", "text": piece})
@@ -105,6 +114,17 @@ def _place_media(text: str, role: str, queues: dict[str, list], used: dict[str, 
         if n < len(queues[kind]):
             items.append({"type": kind, kind: queues[kind][n]})
     return items
+
+
+def _image_markers_are_videos(turns: Sequence[Any], queues: dict[str, list]) -> bool:
+    """Whether the record's "<image>" markers stand for its videos (LLaVA-Video-178K's layout, which LLaVA-NeXT's
+    loader reads this way): videos and no images, no "<video>" marker, and exactly one "<image>" marker per video.
+    Anything else keeps the markers' own meaning (and its placeholder_mismatch), never a guess between the two."""
+    if queues["image"] or not queues["video"]:
+        return False
+    texts = [t.get("value") for t in turns if isinstance(t, dict) and isinstance(t.get("value"), str)]
+    return (not any("<video>" in t for t in texts)
+            and sum(t.count("<image>") for t in texts) == len(queues["video"]))
 
 
 def messages_from_conversations(turns: Any, *, system: Optional[str] = None, images: Sequence[Any] = (),
@@ -118,6 +138,7 @@ def messages_from_conversations(turns: Any, *, system: Optional[str] = None, ima
     if system is not None and not isinstance(system, str):
         raise BadRecordError("invalid_record", f"'system' must be a string, got {type(system).__name__}")
     queues = {"image": list(images), "video": list(videos)}
+    kinds = {**_KIND_OF, "<image>": "video"} if _image_markers_are_videos(turns, queues) else _KIND_OF
     used = {"image": 0, "video": 0}
     out: list[dict] = [{"role": "system", "content": system}] if system else []
     for i, turn in enumerate(turns):
@@ -138,7 +159,7 @@ def messages_from_conversations(turns: Any, *, system: Optional[str] = None, ima
         if source == "function_call":
             out.append({"role": "assistant", "content": "", "tool_calls": _tool_calls(value, where)})
             continue
-        out.append({"role": role, "content": _place_media(value, role, queues, used, where)})
+        out.append({"role": role, "content": _place_media(value, role, queues, used, where, kinds)})
     if out[-1]["role"] != "assistant":
         raise BadRecordError("invalid_record", f"{key!r} ends on a {turns[-1].get('from')!r} turn, not the "
                                                "assistant's (no reply to train on)")

@@ -13,7 +13,8 @@ A .json file found in a folder or by a glob is data when its content is, as tabl
 JSON array (its first non-blank byte is "[") or JSON lines of records: its first non-blank line is a JSON
 object on its own (at most 16 MiB: a longer one-line object, such as COCO's instances_*.json, is not read
 whole; a file of one pretty-printed object counts as that object on one line, `one_json_object`) that has one
-of the columns the dataset reads (`record_keys`: "messages" / "conversations" for messages records, the mapped columns of `[data] columns`; `record_columns`). Next to data, .json files are
+of the columns the dataset reads (`record_keys`: "messages" / "conversations" / "completion" for messages records,
+the mapped columns of `[data] columns`; `record_columns`). Next to data, .json files are
 often not data: `save_to_disk` writes dataset_info.json and state.json (pretty-printed objects) beside its
 .arrow files and a one-line dataset_dict.json above a DatasetDict's splits; a model folder has config.json,
 a data folder an info.json. Those names (`METADATA_JSON`) are never JSON-lines data, and any other
@@ -56,9 +57,9 @@ HF_SUFFIXES = (".parquet", ".arrow", ".jsonl", ".json")
 MESSAGES_SUFFIXES = (".jsonl", ".json")
 METADATA_JSON = frozenset({"dataset_info.json", "dataset_infos.json", "dataset_dict.json", "state.json", "config.json"})
 """Names of .json files that describe a dataset or model rather than hold records (see the module docstring)."""
-MESSAGES_RECORD_KEYS = frozenset({"messages", "conversations"})
-"""The keys a messages record is built from (data/messages.py): a JSON-lines .json file whose first object has
-neither is not messages data."""
+MESSAGES_RECORD_KEYS = frozenset({"messages", "conversations", "completion"})
+"""The keys a messages record is built from (data/messages.py; "completion": TRL's prompt-completion rows): a
+JSON-lines .json file whose first object has none of them is not messages data."""
 RECORD_KEYS = frozenset({"messages", "conversations", "prompt", "problem", "question", "chosen", "rejected"})
 """The record columns of every layout read here (messages, LLaVA / ShareGPT, prompt / answer, Geometry3K, ViRL39K,
 verl / TRL prompts, preference pairs): the `record_keys` of a reader that detects its layout from the files."""

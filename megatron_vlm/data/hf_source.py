@@ -36,7 +36,6 @@ chat template renders, `Record.tools`) is kept also as a list, as the messages_j
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 from pathlib import Path
@@ -52,6 +51,7 @@ from megatron_vlm.data.conversations import (
 )
 from megatron_vlm.data.data_files import HF_SUFFIXES, TABLE_SUFFIXES, DataFileError, record_columns
 from megatron_vlm.data.messages import Record, normalize_messages, normalize_tools, resolve_path
+from megatron_vlm.data.prompt_completion import answer_text, completion_turns, prompt_turns
 from megatron_vlm.data.table_rows import TableRows
 
 __all__ = ["HFRecords", "TableRecordSource", "record_from_columns", "check_columns", "check_file_columns",
@@ -82,22 +82,6 @@ def _resolver(root: Path):
             return resolve_path(ref.get("path"), root)
         return resolve_path(ref, root)
     return resolve
-
-
-def _answer_text(answer: Any, column: str) -> str:
-    """The text of an answer cell: a string, or a number / bool (a choice index) as its text. Anything else (a list
-    of reference answers, a struct, the NaN pandas writes for a missing number) is a bad record rather than its
-    Python repr trained as the reply."""
-    if answer is None:
-        raise BadRecordError("invalid_record", f"column {column!r} is empty")
-    if isinstance(answer, str):
-        return answer
-    if isinstance(answer, float) and not math.isfinite(answer):
-        raise BadRecordError("invalid_record", f"column {column!r} is {answer} (a missing number), not an answer")
-    if isinstance(answer, (bool, int, float)):
-        return str(answer)
-    raise BadRecordError("invalid_record", f"column {column!r}: expected one answer text, got "
-                                           f"{type(answer).__name__} {answer!r:.60} (map a column of single answers)")
 
 
 def check_media_items(messages: list[dict]) -> None:
@@ -161,14 +145,14 @@ def record_from_columns(row: dict, columns: dict[str, str], *, root: Path, sourc
         if "video" in c and row.get(c["video"]) is not None:
             raise BadRecordError("invalid_record", f"column {c['video']!r}: a video beside a conversational prompt "
                                                    f"(column {c['prompt']!r}) is not read; write video items in it")
-        raw = _prompt_turns(row[c["prompt"]], c["prompt"]) + _completion_turns(row.get(c["answer"]), c["answer"])
+        raw = prompt_turns(row[c["prompt"]], c["prompt"]) + completion_turns(row.get(c["answer"]), c["answer"])
         messages = _role_messages(raw, row, c, resolve, f"column {c['prompt']!r}")
     else:
         prompt = row.get(c["prompt"])
         answer = row.get(c["answer"])
         if not isinstance(prompt, str):
             raise BadRecordError("invalid_record", f"column {c['prompt']!r}: expected text, got {type(prompt).__name__}")
-        answer = _answer_text(answer, c["answer"])
+        answer = answer_text(answer, c["answer"])
         items: list[dict] = []
         for key in ("image", "images"):
             if key in c:
@@ -219,31 +203,6 @@ def _role_messages(raw: Any, row: dict, c: dict[str, str], resolve, where: str) 
     if empty or images:  # images that no item takes (e.g. "<image>" text markers) would train without them
         fill_image_items(empty, images, where, " + ".join(c[k] for k in image_keys) or None)
     return messages
-
-
-def _prompt_turns(prompt: Any, column: str) -> list:
-    """The turns of a conversational prompt: no assistant turn, since SFT trains every assistant turn and TRL's
-    prompt-completion trains the completion only (such a conversation belongs in a messages column)."""
-    turns = list(prompt)
-    for i, m in enumerate(turns):
-        if isinstance(m, dict) and m.get("role") == "assistant":
-            raise BadRecordError("invalid_record", f"column {column!r}[{i}]: an assistant turn in a conversational "
-                                                   "prompt would be trained (only the completion is); map such "
-                                                   "conversations as a messages column")
-    return turns
-
-
-def _completion_turns(completion: Any, column: str) -> list[dict]:
-    """A completion cell as its assistant turn: a string (or number), or one assistant message (TRL's conversational
-    completion: [{"role": "assistant", "content": ...}])."""
-    if isinstance(completion, dict):
-        completion = [completion]
-    if isinstance(completion, (list, tuple)):
-        if len(completion) != 1 or not isinstance(completion[0], dict) or completion[0].get("role") != "assistant":
-            raise BadRecordError("invalid_record", f"column {column!r}: a conversational completion must be one "
-                                                   f"assistant message, got {completion!r:.80}")
-        return [dict(completion[0])]
-    return [{"role": "assistant", "content": _answer_text(completion, column)}]
 
 
 class TableRecordSource:

@@ -22,6 +22,10 @@ LLaVA / ShareGPT records ({"conversations": [{"from": "human", "value": "<image>
 ...}], "image" / "images", "system", ...}: LLaVA-Instruct, LLaMA-Factory's and ms-swift's "sharegpt" files)
 are converted into this form line by line (a file may mix both), each "<image>" / "<video>" marker becoming
 the next image / video item in place: see conversations.py for the roles, the markers and what is refused.
+TRL's conversational prompt-completion lines ({"prompt": [messages], "completion": [one assistant message] or a
+string, "images": [...]}) are the prompt's turns then the completion, read as a "messages" line (media included),
+with the hf source's checks (prompt_completion.py); a text "prompt" (TRL's standard form) is an "invalid_record"
+naming the `hf` columns that read it.
 
 An image may also be embedded as a base64 data URL ("data:image/png;base64,...", e.g. in an
 OpenAI-style {"type": "image_url", "image_url": {"url": ...}} item); it becomes the image's bytes.
@@ -67,6 +71,7 @@ from megatron_vlm.data.conversations import (
     refuse_markers_beside_items,
 )
 from megatron_vlm.data.data_files import MESSAGES_RECORD_KEYS, MESSAGES_SUFFIXES
+from megatron_vlm.data.prompt_completion import completion_turns, prompt_turns
 from megatron_vlm.data.table_rows import TableRows
 
 __all__ = ["Record", "normalize_messages", "normalize_tools", "read_messages_jsonl", "record_from_messages_row", "resolve_path",
@@ -344,12 +349,26 @@ def _record_from_conversations_row(obj: dict, resolve: Callable[[Any], Any], *, 
     return Record(messages, source, index, {k: v for k, v in obj.items() if k != key and k not in _CONVERSATION_KEYS})
 
 
+def _prompt_completion_as_messages(obj: dict) -> dict:
+    """`obj`, a TRL prompt-completion row, with "messages" (the prompt's turns, then the completion) in place of its
+    "prompt" and "completion" (prompt_completion.py: the checks the hf source makes of the same row)."""
+    if not isinstance(obj["prompt"], (list, tuple)):
+        raise BadRecordError("invalid_record", "'prompt' is not a list of messages (TRL's standard, text-only "
+                                               "prompt-completion): read such a file with data.type = \"hf\" and "
+                                               "columns = {prompt = \"prompt\", answer = \"completion\"}")
+    raw = prompt_turns(obj["prompt"], "prompt") + completion_turns(obj["completion"], "completion")
+    return {**{k: v for k, v in obj.items() if k not in ("prompt", "completion")}, "messages": raw}
+
+
 def record_from_messages_row(obj: dict, resolve: Callable[[Any], Any], *, source: str, index: int) -> Record:
     """The `Record` of one {"messages": [...], ...} object; top-level "images" / "videos" fill the media items
     without a path (`_fill_media_items`); other keys become `meta`. A LLaVA / ShareGPT {"conversations": [...]}
-    object (or "messages" of {"from", "value"} turns) is converted (conversations.py). Raises BadRecordError."""
+    object (or "messages" of {"from", "value"} turns) is converted (conversations.py), as is a TRL {"prompt": [...],
+    "completion": ...} object (`_prompt_completion_as_messages`). Raises BadRecordError."""
     if "conversations" in obj:
         return _record_from_conversations_row(obj, resolve, source=source, index=index)
+    if "messages" not in obj and "prompt" in obj and "completion" in obj:  # TRL's prompt-completion
+        obj = _prompt_completion_as_messages(obj)
     if "messages" not in obj:
         raise BadRecordError("invalid_record", f"no 'messages' or 'conversations' key (keys: {sorted(obj)[:8]})")
     if is_conversation_turns(obj["messages"]):  # LLaMA-Factory's sharegpt files may name the turns "messages"

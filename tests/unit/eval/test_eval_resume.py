@@ -1,7 +1,7 @@
 """An evaluation job stopped in its third benchmark (SLURM preemption: exit 143, no results) keeps the two it
 finished: the job run again in its folder with the same settings, model and data files scores only the rest, and
-its results equal those of one uninterrupted job. A changed setting, model file or data file scores the benchmark
-again; a finished job leaves nothing to reuse. The model, engine and scoring are stand-ins (the evaluation itself
+its results equal those of one uninterrupted job. A changed setting, model file, data file or image a row names
+scores the benchmark again; a finished job leaves nothing to reuse. The model, engine and scoring are stand-ins (the evaluation itself
 is covered by the other tests of this folder)."""
 from __future__ import annotations
 
@@ -120,3 +120,47 @@ def test_clearing_a_start_keeps_the_partial_results_and_an_unreadable_one_is_sco
     again = Stand(monkeypatch)
     jobs._evaluate_benchmarks(_ctx(tmp_path, model=model))
     assert again.evaluated == list(NAMES)
+
+
+@pytest.mark.parametrize("edited", ["image", "video frame"])
+def test_a_kept_benchmark_is_scored_again_when_an_image_it_names_changed(folder, monkeypatch, edited):
+    """The benchmark's rows name their image (a video's frames) by path: an edited image with the data file
+    untouched gave the kept result of the old one."""
+    tmp_path, model = folder
+    (tmp_path / "b.png").write_bytes(b"old pixels")
+    (tmp_path / "frames").mkdir()
+    for k in range(2):
+        (tmp_path / "frames" / f"{k}.png").write_bytes(b"old frame")
+    user = [{"type": "image", "image": "b.png"}, {"type": "video", "video": "frames"},
+            {"type": "text", "text": "question b"}]
+    (tmp_path / "b.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": user},
+                                                               {"role": "assistant", "content": "red"}]}) + "\n")
+    Stand(monkeypatch, stop_at="c")
+    with pytest.raises(StopRequested):
+        jobs._evaluate_benchmarks(_ctx(tmp_path, model=model))
+    unchanged = Stand(monkeypatch, stop_at="c")  # nothing edited: b is kept
+    with pytest.raises(StopRequested):
+        jobs._evaluate_benchmarks(_ctx(tmp_path, model=model))
+    assert unchanged.evaluated == []
+    (tmp_path / ("b.png" if edited == "image" else "frames/1.png")).write_bytes(b"new pixels, other size")
+    again = Stand(monkeypatch)
+    jobs._evaluate_benchmarks(_ctx(tmp_path, model=model))
+    assert again.evaluated == ["b", "c"]
+
+
+def test_only_local_files_a_row_names_are_signed(tmp_path):
+    """Embedded images are part of the data file's signature and a remote URL has no local file to sign; a table's
+    Image struct without bytes names its file; a missing file is signed as missing (it appears: scored again)."""
+    from megatron_vlm.data.messages import Record
+    from megatron_vlm.data.sources import ListRecords
+    from megatron_vlm.eval.resume import media_signatures
+
+    (tmp_path / "x.png").write_bytes(b"12345")
+    items = [{"type": "image", "image": b"\x89PNG"}, {"type": "image", "image": "https://example.org/a.png"},
+             {"type": "image", "image": {"bytes": b"\x89PNG", "path": "in_table.png"}},
+             {"type": "image", "image": {"bytes": None, "path": str(tmp_path / "x.png")}},
+             {"type": "video", "video": [str(tmp_path / "x.png"), str(tmp_path / "gone.png")]}]
+    rec = Record([{"role": "user", "content": items}, {"role": "assistant", "content": "a"}], "t", 1, {})
+    sigs = media_signatures(ListRecords("t", [rec]))
+    assert [(s["file"], s.get("size"), s.get("missing")) for s in sigs] == [
+        (str(tmp_path / "gone.png"), None, True), (str((tmp_path / "x.png").resolve()), 5, None)]

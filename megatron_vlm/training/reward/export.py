@@ -45,14 +45,16 @@ log = logging.getLogger("megatron_vlm")
 def export_score_folder(state: dict, backbone, out_dir: Path, *, copy_from, dtype: Optional[torch.dtype] = None,
                         pixel_limits: Optional[dict[str, Optional[int]]] = None) -> None:
     """Write the gathered `ScoreRoot` state dict `state` (keys `model.*`, `score.*`) as a reward model folder;
-    `dtype` (`checkpoint.export_dtype`): the written weights' (those kept in fp32 on purpose stay fp32);
+    `dtype` (`checkpoint.export_dtype`): the written weights' (those kept in fp32 on purpose, the score head among
+    them, stay fp32);
     `pixel_limits` (the run's `[data]` limits, `data_pixel_limits`): written into its processor configs, so the
     folder sizes images as training did."""
     out_dir = export_folder(out_dir)
     backbone_state = {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
     score_state = {k[len("score."):]: v for k, v in state.items() if k.startswith("score.")}
     backbone_state = cast_for_export(backbone_state, backbone, dtype)
-    score_state = cast_for_export(score_state, None, dtype)  # the score head: nothing kept fp32
+    # the score head stays fp32 whatever `dtype` (training computes it in fp32, training/reward/model.py `ScoreHead`;
+    # the scorer loads it into an fp32 head): rounded, the folder would score other values than training did
     check_finite({**backbone_state, **{f"score.{k}": v for k, v in score_state.items()}},
                  f"refusing to export {out_dir}")
     out_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -169,12 +169,13 @@ def test_a_bf16_run_exports_what_it_scored_with(tmp_path, tiny_vlm_folder):
     with fp32_view(root, writes=False):
         state = {k: v.detach().clone() for k, v in root.state_dict().items()}
     assert state["score.weight"].dtype == torch.float32  # the export holds the masters
-    export_score_folder(state, root.model, tmp_path / "rm", copy_from=tiny_vlm_folder)
-    scorer = load_score_model(tmp_path / "rm", dtype=torch.bfloat16).eval()
-    with torch.no_grad():
-        scored = scorer(dict(pack))[:, 0]
-    assert torch.equal(scored, trained), (scored, trained)
-
+    # as the run holds them (fp32 masters), and halved (checkpoint.export_dtype = "bfloat16": the head stays fp32)
+    for name, dtype in (("rm", None), ("rm_bf16", torch.bfloat16)):
+        export_score_folder(state, root.model, tmp_path / name, copy_from=tiny_vlm_folder, dtype=dtype)
+        scorer = load_score_model(tmp_path / name, dtype=torch.bfloat16).eval()
+        with torch.no_grad():
+            scored = scorer(dict(pack))[:, 0]
+        assert torch.equal(scored, trained), (name, scored, trained)
 
 
 def test_fsdp_mixed_precision_trains_the_head_in_fp32(tmp_path, tiny_vlm_folder, gloo_world_of_one):

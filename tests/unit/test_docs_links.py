@@ -75,3 +75,32 @@ def test_tables_are_not_split_by_a_blank_line(tmp_path, monkeypatch):
     page = tmp_path / "page.md"
     page.write_text("| a | b |\n|---|---|\n| 1 | 2 |\n\n| 3 | 4 |\n\n| c | d |\n|---|---|\n| 5 | 6 |\n")
     assert split_tables(page) == ["page.md:5"]
+
+
+def readme_section(title: str) -> list[str]:
+    """The lines of the README's `## <title>` section."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    start = lines.index(f"## {title}") + 1
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return lines[start:end]
+
+
+def test_every_docs_page_has_a_row_in_the_readme_index():
+    """The README's "Documentation" table is where a reader looks for a topic: a page under docs/ without a row
+    there is found only by chance (a link in passing elsewhere does not count)."""
+    rows = [line for line in readme_section("Documentation") if line.startswith("| [")]
+    linked = {target.split("#", 1)[0] for row in rows for target in LINK.findall(row.split("|")[1])}
+    pages = {f"docs/{p.name}" for p in (REPO / "docs").glob("*.md")}
+    assert pages - linked == set(), f"docs pages without a row in README.md's Documentation table: {sorted(pages - linked)}"
+
+
+def test_every_subpackage_has_a_row_in_the_readme_package_table():
+    """The README's package table ("Map of the code") names every sub-package of megatron_vlm/, so that no part of
+    the code is missing from the map (megatron_vlm/kernels is the kernels/ folder: its row is `kernels/`)."""
+    first_cells = " ".join(line.split("|")[1] for line in readme_section("Map of the code") if line.startswith("| `"))
+    named = set(re.findall(r"`([^`]+)`", first_cells))
+    packages = {p.name for p in (REPO / "megatron_vlm").iterdir()
+                if p.is_dir() and (p / "__init__.py").exists() and not p.is_symlink()}
+    missing = sorted(p for p in packages if f"megatron_vlm/{p}/" not in named)
+    assert not missing, f"sub-packages without a row in README.md's package table: {missing}"
+    assert "kernels/" in " ".join(named)

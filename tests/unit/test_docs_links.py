@@ -104,3 +104,12 @@ def test_every_subpackage_has_a_row_in_the_readme_package_table():
     missing = sorted(p for p in packages if f"megatron_vlm/{p}/" not in named)
     assert not missing, f"sub-packages without a row in README.md's package table: {missing}"
     assert "kernels/" in " ".join(named)
+
+
+def test_every_demo_config_is_listed_in_demo_and_tests():
+    """The README sends a reader to docs/demo_and_tests.md for "the other demos": each demo config in
+    launch/configs/ is named there, with the page that has its commands and figures."""
+    page = (REPO / "docs" / "demo_and_tests.md").read_text()
+    named = set(re.findall(r"`(demo_[a-z0-9_]+\.toml)`", page))
+    demos = {p.name for p in (REPO / "launch" / "configs").glob("demo_*.toml")}
+    assert demos - named == set(), f"demo configs docs/demo_and_tests.md does not list: {sorted(demos - named)}"

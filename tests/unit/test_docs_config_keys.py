@@ -174,3 +174,51 @@ def test_the_checker_sees_a_wrong_key_or_value(span, expect):
 ])
 def test_the_checker_takes_a_right_span(span):
     assert span_problems(span) == []
+
+
+def toml_block_problems(block: str) -> list[str]:
+    """What is wrong with one ```toml example: it must parse, and each of its keys exist and take its value."""
+    try:
+        doc = tomllib.loads(block)
+    except tomllib.TOMLDecodeError as e:
+        return [f"does not parse: {e}"]
+    bad: list[str] = []
+
+    def walk(table: dict, prefix: str) -> None:
+        for name, value in table.items():
+            key = f"{prefix}.{name}" if prefix else name
+            try:
+                leaves = resolve(key)
+            except KeyError:
+                bad.append(f"{key} is not a config key")
+                continue
+            if isinstance(value, dict) and any(dataclasses.is_dataclass(leaf) for leaf in leaves):
+                walk(value, key)
+            elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+                for entry in value:  # an array of tables ([[rl.rewards]])
+                    walk(entry, key)
+            elif not _accepts(key, leaves, value):
+                bad.append(f"{key} does not take {value!r}")
+
+    walk(doc, "")
+    return bad
+
+
+def test_every_toml_example_in_the_docs_is_a_valid_config_fragment():
+    bad, blocks = [], 0
+    for page in _pages():
+        text = page.read_text()
+        for m in re.finditer(r"^```toml\n(.*?)^```", text, re.S | re.M):
+            blocks += 1
+            line = text[: m.start()].count("\n") + 1
+            bad += [f"{page.relative_to(REPO)}:{line}: {p}" for p in toml_block_problems(m.group(1))]
+    assert blocks >= 5
+    assert not bad, "TOML examples in the docs that the config refuses:\n" + "\n".join(bad)
+
+
+def test_the_toml_checker_sees_a_wrong_example():
+    assert toml_block_problems('[train]\nmode = "dpo"\n[dpo]\nbeta = 0.1\n[[rl.rewards]]\ntype = "math"\n') == []
+    assert toml_block_problems("[train]\nmax_step = 2\n") == ["train.max_step is not a config key"]
+    assert toml_block_problems('[[rl.rewards]]\ntype = "math"\nwieght = 1.0\n') == ["rl.rewards.wieght is not a config key"]
+    assert toml_block_problems('[parallel]\nfsdp = "yes"\n') == ["parallel.fsdp does not take 'yes'"]
+    assert toml_block_problems("[train\n")[0].startswith("does not parse")

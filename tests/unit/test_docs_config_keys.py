@@ -1,7 +1,8 @@
 """Every config key the prose names is a key of the schema, and a value written beside it is one its type takes.
 
 The README, docs/ and the packages' READMEs name keys in backticks: `train.max_steps`, `parallel.fsdp = false`,
-`[rl] rollout_backend = "vllm"`, and inside the RL pages relative to `[rl]` (`batch.group_size`). A renamed or
+`[rl] rollout_backend = "vllm"`, and inside the RL pages relative to `[rl]` (`batch.group_size`); commands name
+them in `--set key=value` / `--unset key`, and ```toml examples hold whole fragments. A renamed or
 removed key leaves such a sentence telling users to set something the strict loader refuses (exit 2), so each is
 resolved against the config dataclasses here. Not checked: docs/migrating.md's tables (the other frameworks' keys
 stand beside ours there; test_migrating_doc.py checks our column), module paths that share a section's name
@@ -133,9 +134,22 @@ def span_problems(span: str, line: str = "") -> list[str]:
     return []
 
 
+OVERRIDE = re.compile(r"--(?:set|unset)[ =]([a-z_][a-z_0-9.\[\]]*)")
+
+
+def override_problems(line: str) -> list[str]:
+    """The keys of the `--set key=value` / `--unset key` items of a command line (in prose or a code block)."""
+    bad = []
+    for key in OVERRIDE.findall(line):
+        if key.split(".")[0].split("[")[0] in TOP:  # `--set section.key=value` is a placeholder
+            bad += [p for p in span_problems(key) if "not a config key" in p]
+    return bad
+
+
 def page_problems(path: Path) -> list[str]:
     bad, fence = [], False
     for n, line in enumerate(path.read_text().splitlines(), 1):
+        bad += [f"{path.relative_to(REPO)}:{n}: {p}" for p in override_problems(line)]
         if line.startswith("```"):
             fence = not fence
         if fence or (path.name == "migrating.md" and line.startswith("|")):
@@ -165,6 +179,13 @@ def test_every_key_the_docs_name_exists_and_takes_its_value():
 ])
 def test_the_checker_sees_a_wrong_key_or_value(span, expect):
     assert expect in " ".join(span_problems(span))
+
+
+def test_the_checker_sees_a_wrong_override_key():
+    assert override_problems("launch/pretrain_vlm.py --config x.toml --set train.max_steps=2 --unset train.epochs") == []
+    assert override_problems("--set section.key=value --unset section.key") == []
+    assert override_problems("--set train.max_step=2") == ["`train.max_step`: train.max_step is not a config key"]
+    assert override_problems("--unset=lora.rr") == ["`lora.rr`: lora.rr is not a config key"]
 
 
 @pytest.mark.parametrize("span", [

@@ -113,3 +113,47 @@ def test_every_demo_config_is_listed_in_demo_and_tests():
     named = set(re.findall(r"`(demo_[a-z0-9_]+\.toml)`", page))
     demos = {p.name for p in (REPO / "launch" / "configs").glob("demo_*.toml")}
     assert demos - named == set(), f"demo configs docs/demo_and_tests.md does not list: {sorted(demos - named)}"
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives the page's headings: lower case, punctuation but `-` / `_` dropped, spaces as `-`,
+    a repeated heading suffixed `-1`, `-2`, ..."""
+    anchors, seen, fence = set(), {}, False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            fence = not fence
+        m = None if fence else re.match(r"^#{1,6}\s+(.*?)\s*#*$", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).lower()).replace(" ", "-")
+            anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def broken_anchors(path: Path) -> list[str]:
+    """`path:line: target` for each link to `page.md#anchor` (or `#anchor`) whose page has no such heading."""
+    bad, fence = [], False
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            fence = not fence
+        if fence:
+            continue
+        for target in LINK.findall(line):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target) or "#" not in target:
+                continue
+            page, anchor = target.split("#", 1)
+            page_path = path.parent / page if page else path
+            if page_path.suffix == ".md" and page_path.is_file() and anchor not in heading_anchors(page_path):
+                bad.append(f"{path.relative_to(REPO)}:{n}: {target}")
+    return bad
+
+
+def test_anchors_name_a_heading(tmp_path, monkeypatch):
+    bad = [b for f in _markdown_files() for b in broken_anchors(f)]
+    assert not bad, "links to headings that are not there:\n" + "\n".join(bad)
+    monkeypatch.setitem(globals(), "REPO", tmp_path)
+    (tmp_path / "ref.md").write_text("## [rl.env]\n## Multi-turn rollouts (`[rl.env]`)\n## Notes\n## Notes\n")
+    page = tmp_path / "page.md"
+    page.write_text("[a](ref.md#rlenv) [b](ref.md#multi-turn-rollouts-rlenv) [c](ref.md#notes-1) [d](#top)\n"
+                    "# Top\n[e](ref.md#rl.env) [f](ref.md#notes-2)\n")
+    assert broken_anchors(page) == ["page.md:3: ref.md#rl.env", "page.md:3: ref.md#notes-2"]

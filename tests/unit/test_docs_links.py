@@ -106,6 +106,14 @@ def test_every_subpackage_has_a_row_in_the_readme_package_table():
     assert "kernels/" in " ".join(named)
 
 
+def test_every_kernel_backend_folder_is_named_in_the_kernels_row():
+    """The `kernels/` row of the README's package table lists the op library's folders (one backend family each)."""
+    row = next(line for line in readme_section("Map of the code") if line.startswith("| `kernels/`"))
+    named = set(re.findall(r"`([a-z_]+)/`", row.split("|")[2]))
+    folders = {p.name for p in (REPO / "kernels").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders - named == set(), f"kernels/ folders the README's kernels row does not name: {sorted(folders - named)}"
+
+
 def test_every_demo_config_is_listed_in_demo_and_tests():
     """The README sends a reader to docs/demo_and_tests.md for "the other demos": each demo config in
     launch/configs/ is named there, with the page that has its commands and figures."""

@@ -12,7 +12,7 @@ class KernelsConfig:
     """Backend per op; "auto" = fastest available for the tensor's device (logged once)."""
 
     attention: str = "auto"
-    """Attention (varlen / batched, GQA, causal, windows): auto | torch | sdpa | csrc (C++ packed short samples on CPU, in place; auto on CPU, others go to sdpa) | triton | torch_varlen (torch's flash varlen kernel, torch >= 2.10: auto on CUDA, packed self-attention; other calls run triton) | flash_attn | npu | transformer_engine (Transformer Engine's DotProductAttention on CUDA; experimental: not yet run on a GPU)."""
+    """Attention (varlen / batched, GQA, causal, windows): auto | torch | sdpa | csrc (C++ packed short samples on CPU, in place; auto on CPU, others go to sdpa) | triton | torch_varlen (torch's flash varlen kernel, torch >= 2.10: auto on CUDA, packed self-attention; other calls run triton) | flash_attn (the flash-attn package's kernels, fp16 / bf16: auto on CUDA where installed, ahead of torch_varlen) | npu | transformer_engine (Transformer Engine's DotProductAttention on CUDA; experimental: not yet run on a GPU)."""
     rms_norm: str = "auto"
     """RMSNorm with optional fused residual add: auto | torch | triton | npu | csrc (fused fp32 C++ kernel of megatron_vlm._C; auto on CPU) | liger (Liger-Kernel on CUDA; forced only: it matched our references on an H200 and did not beat our Triton kernels on an H100) | transformer_engine (Transformer Engine's fused RMSNorm on CUDA; experimental: not yet run on a GPU)."""
     layer_norm: str = "auto"

@@ -11,6 +11,7 @@ value (`"x"`, `'x'`) or else the bare text.
 """
 from __future__ import annotations
 
+import datetime
 import os
 import sys
 
@@ -28,6 +29,8 @@ def override_value(text: str, key: str = "train.output_dir"):
         return text
     if list(parsed) != ["v"]:
         raise SystemExit(f"resolve_output_dir: {key}: --set value {text!r} is not one TOML value (it holds a second line)")
+    if isinstance(parsed["v"], (datetime.date, datetime.time)):  # a bare date is its text, as the loader reads it
+        return text
     return parsed["v"]
 
 

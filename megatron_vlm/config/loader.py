@@ -22,6 +22,7 @@ checkpoint paths).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import math
 import os
@@ -252,6 +253,8 @@ def parse_override_value(text: str, key: str = "") -> Any:
         return text
     if list(parsed) != ["v"]:
         raise ConfigError(f"{key}: --set value {text!r} is not one TOML value (it holds a second line)")
+    if isinstance(parsed["v"], (datetime.date, datetime.time)):  # no key takes a TOML date: a date-stamped name
+        return text
     return parsed["v"]
 
 

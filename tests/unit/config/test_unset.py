@@ -178,3 +178,17 @@ def test_evaluate_refuses_to_unset_the_eval_mode(argv, capsys):
     err = capsys.readouterr().err
     assert "launch/evaluate.py sets train.mode" in err and "config file not found" not in err
     ev._refuse_a_training_mode(["--config", "x.toml", "--unset", "optimizer", "--unset", "train.max_steps"])
+
+
+def test_a_date_stamped_folder_given_bare_is_its_text(tmp_path):
+    """`--set train.output_dir=2024-01-01` parsed as a TOML date and was refused ("expected a string, got date");
+    no key takes a date, so a bare one is its text, in the loader and in the Slurm script's resolver alike."""
+    from megatron_vlm.config.loader import parse_override_value
+
+    spec = importlib.util.spec_from_file_location("resolve_output_dir", REPO / "launch" / "slurm" / "resolve_output_dir.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for text in ("2024-01-01", "2024-01-01T10:30:00", "10:30:00"):
+        assert parse_override_value(text, "train.output_dir") == text == mod.override_value(text)
+    assert load_config(SFT, ["train.output_dir=2024-01-01"]).train.output_dir == "2024-01-01"
+    assert mod.resolve_output_dir(str(SFT), ["--set", "train.output_dir=2024-01-01"]) == "2024-01-01"

@@ -61,7 +61,9 @@ def _read_model_config(cfg) -> dict:
             raise CheckFailed("model.synthesize", mismatch)
         return json.loads(path.read_text())
     if cfg.model.synthesize is None:
-        raise CheckFailed("model.path", f"{path} does not exist (--check reads the model's config.json, no weights)")
+        hint = getattr(cfg.rl, "model_path_hint", None) if cfg.train.mode == "grpo" else None  # as the run says it
+        raise CheckFailed("model.path", f"{path} does not exist (--check reads the model's config.json, no weights)"
+                          + (f"; {hint}" if hint else ""))
     from megatron_vlm.testing.synthesize import synthesize_model_folder
 
     with tempfile.TemporaryDirectory() as tmp:  # the tiny model the first run would create

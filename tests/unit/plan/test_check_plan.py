@@ -531,3 +531,12 @@ def test_check_of_bf16_weights_in_full_precision_plans_bf16_activations(qwen2_5_
         return float(re.search(r"activations ([0-9.]+) GiB", out.getvalue()).group(1))
 
     assert activations("fp32") == activations("bf16")
+
+
+def test_check_of_a_grpo_run_without_its_model_folder_says_how_to_make_it(tmp_path):
+    """The run says `rl.model_path_hint` when the GRPO start folder is missing (rl/trainer.py); --check said only
+    that config.json does not exist, so a user checking the GRPO demo first was not told to run its SFT."""
+    code, _, err = _check(CONFIGS / "demo_grpo.toml", [f'model.path="{tmp_path / "none"}"',
+                                                        'rl.model_path_hint="run the SFT demo first"'], 1)
+    assert code == 2 and err.startswith("check failed: model.path: ") and err.rstrip().endswith(
+        "; run the SFT demo first"), err

@@ -376,6 +376,30 @@ class CheckpointManager:
         _barrier()
         return moved
 
+    def set_aside_unloadable(self, failed: list[Path], loaded: Path) -> list[Path]:
+        """After `resume = "auto"` fell back past the complete checkpoints `failed` (they did not load: corrupt,
+        truncated) to `loaded`: rank 0 renames them `.unloadable_step_<N>` (kept for inspection, never loaded or
+        pruned). Left in place they counted toward `keep_last`, so the run kept one good checkpoint fewer than asked
+        until it saved their steps again, and every later start tried them first. Collective; the new paths (rank 0)."""
+        moved: list[Path] = []
+        if self.rank == 0:
+            for p in failed:
+                m = _STEP_RE.match(p.name)
+                if p.parent != self.root or m is None or not p.is_dir():
+                    continue
+                target = self.root / f".unloadable_step_{m.group(1)}"
+                if target.exists():
+                    target = self.root / f".unloadable_step_{m.group(1)}_{time.strftime('%Y%m%d%H%M%S')}"
+                os.replace(p, target)
+                moved.append(target)
+            if moved:
+                fsync_dir(self.root)
+                log.warning("resumed from %s: the newer checkpoints that did not load were set aside as %s (kept for "
+                            "inspection, never loaded or counted by checkpoint.keep_last; delete them when not needed)",
+                            loaded, ", ".join(str(m) for m in moved))
+        _barrier()
+        return moved
+
     def resolve_resume(self, resume: str) -> Optional[Path]:
         """The first of `resume_candidates` (None: start fresh)."""
         paths = self.resume_candidates(resume)

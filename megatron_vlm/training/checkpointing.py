@@ -190,6 +190,8 @@ class Checkpointer:
                 self._warn_unloaded_modules(path)
                 if self.cfg.resume != "auto":  # a rewind inside this run: its later checkpoints are not this run's
                     self.manager.set_aside_newer(path, int(extra["step"]))
+                elif i > 0:  # fell back past newer ones that did not load
+                    self.manager.set_aside_unloadable(list(candidates[:i]), path)
                 return ResumePoint(step=int(extra["step"]), data=extra.get("data", {}))
             if not (path / LAYOUT_FILE).is_file():
                 failed += f" ({PREDATES})"

@@ -188,6 +188,23 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path, caplog, 
     assert f"cannot load checkpoint {step4}" in caplog.text and "falling back" in caplog.text
 
 
+def test_a_checkpoint_that_did_not_load_is_set_aside_not_counted_by_keep_last(tmp_path, caplog):
+    """After falling back past a corrupt step_6 to step_4 (keep_last = 2), the corrupt one stayed a complete
+    checkpoint: it counted toward keep_last, so the next save kept only one good checkpoint beside it, and every
+    later start tried it first."""
+    ck = _checkpointer(tmp_path, keep_last=2)
+    for step in (2, 4, 6):
+        _save(ck, step)
+    (_ckdir(tmp_path) / "step_6" / "extra_rank0.pt").write_bytes(b"not a torch file")
+    resumed = _checkpointer(tmp_path, keep_last=2, seed=1)
+    with caplog.at_level(logging.INFO, logger="megatron_vlm"):
+        assert resumed.resume().step == 4
+    assert sorted(p.name for p in _ckdir(tmp_path).iterdir()) == [".unloadable_step_6", "step_4"]
+    assert "set aside as" in caplog.text
+    _save(resumed, 5)  # keep_last = 2: both good checkpoints stay
+    assert [n for n, _ in list_complete(_ckdir(tmp_path))] == [4, 5]
+
+
 def test_no_loadable_checkpoint_is_an_error_not_a_fresh_start(tmp_path, capsys):
     ck = _checkpointer(tmp_path)
     _save(ck, 2)

@@ -2,9 +2,10 @@
 """Convert a distributed training checkpoint to a Hugging Face folder (on demand; runs also export
 at the end). One process, CPU. What the checkpoint holds (the model path, LoRA or not, its r / alpha /
 rsLoRA) is read from its own `layout.json`, written with the shards; the run's config.toml beside
-`checkpoints/` is read for what the layout record does not hold (a checkpoint written before that record existed;
-the adapter dropout it notes; the dtypes and pixel limits below), so an edited or overwritten config.toml never
-changes which weights are exported (their dtype and the processor limits follow the config.toml found).
+`checkpoints/` is read for what the layout record does not hold (a checkpoint written before that record existed or
+before it held the dtypes and pixel limits below; the adapter dropout it notes), so an edited or overwritten
+config.toml (a later job in the same run folder rewrites it) changes neither which weights are exported nor, for a
+checkpoint whose record holds them, their dtype and the processor limits.
 
     python launch/convert_checkpoint.py --checkpoint runs/demo_sft/checkpoints/step_100 --out /tmp/hf
 
@@ -20,7 +21,7 @@ adapter folder (ours or one trained with `peft`) is merged into its base model w
 
     python launch/convert_checkpoint.py --adapter runs/x/adapter --model-path /ckpt/base --merge --out /tmp/hf
 
-Weights are written in the run's `checkpoint.export_dtype` (from its config.toml; unset: as the run held them,
+Weights are written in the run's `checkpoint.export_dtype` (from layout.json, else config.toml; unset: as the run held them,
 its `model.dtype`, fp32 by default, as the run's own export) or in `--dtype` (float32 / bfloat16 / float16), which
 overrides it; an adapter merge (`--adapter`) is written in `--dtype` (default: the base model's, as loaded: fp32).
 Tensors kept in fp32 on purpose (MoE routers) stay fp32. A checkpoint's LoRA adapter is written in the run's
@@ -145,16 +146,19 @@ def _convert_checkpoint(ckpt: Path, model_path, out: str, *, merge: bool, dtype=
         if layout is None:
             return _error(f"{cfg_file}: unreadable ({e}); pass --model-path")
         run_cfg = {}
+    recorded = layout or {}  # the settings saved with the checkpoint, where its record holds them
     if dtype is None:  # the run's checkpoint.export_dtype, as its own export used
-        dtype = (run_cfg.get("checkpoint") or {}).get("export_dtype")
+        dtype = (recorded["checkpoint.export_dtype"] if "checkpoint.export_dtype" in recorded
+                 else (run_cfg.get("checkpoint") or {}).get("export_dtype"))
         if dtype is not None and dtype not in _DTYPES:
             return _error(f"{cfg_file}: checkpoint.export_dtype: expected one of {', '.join(_DTYPES)}, got {dtype!r}; "
                           "pass --dtype")
-    held = (run_cfg.get("model") or {}).get("dtype")  # the dtype the run held its weights in (model.dtype)
+    # the dtype the run held its weights in (model.dtype)
+    held = recorded["model.dtype"] if "model.dtype" in recorded else (run_cfg.get("model") or {}).get("dtype")
     if held is not None and held not in _DTYPES:
         return _error(f"{cfg_file}: model.dtype: expected one of {', '.join(_DTYPES)}, got {held!r}")
     held = None if held == "float32" else held
-    data = run_cfg.get("data")
+    data = recorded["data.pixel_limits"] if "data.pixel_limits" in recorded else run_cfg.get("data")
     pixel_limits = data_pixel_limits(SimpleNamespace(**data) if isinstance(data, dict) else None)
     if model_path is None:
         model_path = (layout or {}).get("model.path") or run_cfg.get("model", {}).get("path")

@@ -23,8 +23,9 @@ def export_dtype(checkpoint_cfg) -> Optional[torch.dtype]:
 
 def data_pixel_limits(data_cfg) -> dict[str, Optional[int]]:
     """The [data] section's pixel limits (None: the model folder's), as `save_hf_model` takes them."""
-    names = ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels")
-    return {k: getattr(data_cfg, k, None) for k in names} if data_cfg is not None else {}
+    from megatron_vlm.checkpoint.layout import PIXEL_LIMIT_KEYS
+
+    return {k: getattr(data_cfg, k, None) for k in PIXEL_LIMIT_KEYS} if data_cfg is not None else {}
 
 
 def export_hf_from_state_dict(state_dict: dict[str, torch.Tensor], src_model_dir: str | Path, out_dir: str | Path,

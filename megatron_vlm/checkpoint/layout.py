@@ -44,6 +44,8 @@ PREDATES = (f"this checkpoint predates the layout record ({LAYOUT_FILE}), so the
             "only as missing or mismatched keys")
 
 _LORA_A = ".lora_A."
+PIXEL_LIMIT_KEYS = ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels")
+"""The [data] pixel limits an export writes into the processor configs (checkpoint/export.py `data_pixel_limits`)."""
 
 
 def run_layout(cfg: Any, *, model_type: Optional[str], world_size: int, mcore_tp: Optional[int],
@@ -65,6 +67,15 @@ def run_layout(cfg: Any, *, model_type: Optional[str], world_size: int, mcore_tp
         "train.mode": getattr(getattr(cfg, "train", None), "mode", None),
         "sizes": {"world_size": world_size, **{k: getattr(parallel, k, 1) for k in ("tp", "cp", "ep", "pp")}},
     }
+    # what the run's own export writes (checkpoint conversion reads them here rather than from the run folder's
+    # config.toml, which a later job in the same folder rewrites): the weights' dtype, the export dtype, the limits
+    # (each where the config has it)
+    if hasattr(cfg.model, "dtype"):
+        out["model.dtype"] = cfg.model.dtype
+    if hasattr(getattr(cfg, "checkpoint", None), "export_dtype"):
+        out["checkpoint.export_dtype"] = cfg.checkpoint.export_dtype
+    if getattr(cfg, "data", None) is not None:
+        out["data.pixel_limits"] = {k: getattr(cfg.data, k, None) for k in PIXEL_LIMIT_KEYS}
     if mcore_tp is not None:  # the megatron-core layers' own layout (tp_shard.py / ep_shard.py)
         out["mcore_tp"], out["mcore_ep"] = mcore_tp, mcore_ep
     return out

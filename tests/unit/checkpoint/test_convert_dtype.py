@@ -144,3 +144,29 @@ def test_a_bf16_lora_run_converts_to_the_adapter_its_own_export_writes(run, tmp_
     conv = load_file(tmp_path / "ad" / "adapter_model.safetensors")
     assert {t.dtype for t in own.values()} == {torch.bfloat16}
     assert own.keys() == conv.keys() and all(conv[k].dtype == own[k].dtype and torch.equal(own[k], conv[k]) for k in own)
+
+
+def test_the_settings_recorded_with_the_checkpoint_win_over_a_rewritten_config_toml(run, tmp_path, capsys):
+    """The converter read the export dtype, model.dtype and pixel limits from the run folder's config.toml, which a
+    later job in that folder rewrites: a checkpoint then converted to another dtype / limits than its run exported.
+    They are now recorded in its layout.json at save; config.toml is the fallback for older records."""
+    import shutil
+
+    folder = tmp_path / "run"
+    model = load_hf_model(run.base)
+    wrapper = _Wrapper(model)
+    cfg = NS(model=NS(path=str(run.base), dtype="float32"), lora=None, train=NS(train_layers=[]),
+             checkpoint=NS(export_dtype="bfloat16"), data=NS(min_pixels=None, max_pixels=28 * 28 * 64,
+                                                            video_min_pixels=None, video_max_pixels=None))
+    layout = run_layout(cfg, model_type=model.hf_config["model_type"], world_size=1, mcore_tp=None, mcore_ep=None)
+    CheckpointManager(folder, keep_last=0, rank=0).save(1, wrapper, torch.optim.AdamW(wrapper.parameters()),
+                                                         {"data": {}}, layout=layout)
+    # a later job in the same folder with other settings
+    (folder / "config.toml").write_text(f'[model]\npath = "{run.base}"\n[checkpoint]\nexport_dtype = "float32"\n'
+                                        f'[data]\nmax_pixels = {28 * 28 * 16}\n')
+    code, err = _convert(["--checkpoint", folder / "checkpoints" / "step_1", "--out", tmp_path / "hf"], capsys)
+    assert code == 0, err
+    assert _dtypes(tmp_path / "hf") == {"BF16"}
+    pre = json.loads((tmp_path / "hf" / "preprocessor_config.json").read_text())
+    assert pre["size"]["longest_edge"] == 28 * 28 * 64
+    shutil.rmtree(tmp_path / "hf")

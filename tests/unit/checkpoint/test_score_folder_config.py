@@ -77,8 +77,9 @@ def test_reward_export_of_a_text_family_names_transformers_class(tmp_path, model
 
 
 def test_reward_export_in_bfloat16(tmp_path):
-    """`checkpoint.export_dtype = "bfloat16"` for a reward model: bf16 tensors (score head included), config.json
-    says bfloat16, and transformers scores with the rounded weights (close to the fp32 scores)."""
+    """`checkpoint.export_dtype = "bfloat16"` for a reward model: bf16 tensors but the score head (fp32, as training
+    computes it and our scorer reads it: training/reward/model.py `ScoreHead`), config.json says bfloat16, and
+    transformers loads the folder as a bf16 model and scores close to the fp32 scores."""
     import transformers
     from safetensors.torch import load_file
 
@@ -86,7 +87,9 @@ def test_reward_export_in_bfloat16(tmp_path):
     root = ScoreRoot(load_hf_model(folder, dtype=torch.float32), std=0.5, seed=1).eval()
     out = tmp_path / "hf"
     export_score_folder(root.state_dict(), root.model, out, copy_from=folder, dtype=torch.bfloat16)
-    assert {t.dtype for t in load_file(out / "model.safetensors").values()} == {torch.bfloat16}
+    stored = load_file(out / "model.safetensors")
+    assert {t.dtype for k, t in stored.items() if k != "score.weight"} == {torch.bfloat16}
+    assert stored["score.weight"].dtype == torch.float32
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(out, dtype="auto").eval()
     assert hf.score.weight.dtype == torch.bfloat16

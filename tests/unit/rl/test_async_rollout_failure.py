@@ -93,7 +93,8 @@ def rollout_rank_context(monkeypatch, tmp_path, rewards=None):
     monkeypatch.setattr(rr, "load_prompt_sets", lambda *a, **k: types.SimpleNamespace(train=train))
     monkeypatch.setattr(rr, "drop_unusable_prompts", lambda sets, *a: sets)
     monkeypatch.setattr(rr.MediaLimits, "from_config", staticmethod(lambda d: None))
-    monkeypatch.setattr(rr, "PromptEncoder", lambda *a, **k: types.SimpleNamespace(encode=lambda s: object(), skipped=0))
+    monkeypatch.setattr(rr, "PromptEncoder", lambda *a, **k: types.SimpleNamespace(
+        encode=lambda s: types.SimpleNamespace(input_ids=torch.tensor([1, 2])), skipped=0))
     monkeypatch.setattr(rr, "load_hf_model", lambda *a, **k: torch.nn.Linear(1, 1))
     monkeypatch.setattr(rr, "PolicyRolloutEngine", lambda *a, **k: _Engine())
     monkeypatch.setattr(rr, "paged_kv_kwargs", lambda rl: {})

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import torch
+
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.rl.asynchronous.trainer import AsyncGRPOLoopStep
 from megatron_vlm.rl.trainer import GRPOLoopStep
@@ -146,7 +148,7 @@ def test_a_rollout_rank_running_ahead_hands_each_step_its_own_skips():
                 self.skipped += 1
                 skips.add("p.jsonl", i + 1, "corrupt_image", "truncated")
                 return None
-            return i
+            return SimpleNamespace(input_ids=torch.tensor([i]))  # an encoded prompt's ids (their digest is sent)
 
     rl = SimpleNamespace(asynchronous=SimpleNamespace(max_head_offpolicyness=2), batch=SimpleNamespace(group_size=2,
                          prompts_per_step=4), rollout=SimpleNamespace(max_new_tokens=4, temperature=1.0, top_p=1.0,

@@ -351,6 +351,20 @@ class CheckpointManager:
             check_owned(p)
         return paths
 
+    def _rename_aside(self, checkpoints: list[tuple[int, Path]], prefix: str) -> list[Path]:
+        """Rename each (step, folder) of this run's `checkpoints/` to `<prefix><step>` (a time stamp added where that
+        name is taken), fsynced; the new paths. Rank 0 only."""
+        moved: list[Path] = []
+        for n, p in checkpoints:
+            target = self.root / f"{prefix}{n}"
+            if target.exists():
+                target = self.root / f"{prefix}{n}_{time.strftime('%Y%m%d%H%M%S')}"
+            os.replace(p, target)
+            moved.append(target)
+        if moved:
+            fsync_dir(self.root)
+        return moved
+
     def set_aside_newer(self, loaded: Path, step: int) -> list[Path]:
         """After an explicit resume from `loaded` at `step` (a checkpoint of this run's `checkpoints/` folder, or of
         another run's): the complete checkpoints of this folder at later steps belong to a run this one abandons (a
@@ -360,15 +374,8 @@ class CheckpointManager:
         says how to continue them instead. Collective; returns the new paths (rank 0)."""
         moved: list[Path] = []
         if self.rank == 0:
-            for n, p in list_complete(self.root):
-                if n > step:
-                    target = self.root / f".abandoned_step_{n}"
-                    if target.exists():
-                        target = self.root / f".abandoned_step_{n}_{time.strftime('%Y%m%d%H%M%S')}"
-                    os.replace(p, target)
-                    moved.append(target)
+            moved = self._rename_aside([(n, p) for n, p in list_complete(self.root) if n > step], ".abandoned_step_")
             if moved:
-                fsync_dir(self.root)
                 log.warning("resumed from %s (step %d), as checkpoint.resume says: the later checkpoints of this run "
                             "folder were set aside as %s (delete them when not needed; to continue them instead, move "
                             "them back as step_<N> and set checkpoint.resume = \"auto\")", loaded, step,
@@ -383,17 +390,10 @@ class CheckpointManager:
         until it saved their steps again, and every later start tried them first. Collective; the new paths (rank 0)."""
         moved: list[Path] = []
         if self.rank == 0:
-            for p in failed:
-                m = _STEP_RE.match(p.name)
-                if p.parent != self.root or m is None or not p.is_dir():
-                    continue
-                target = self.root / f".unloadable_step_{m.group(1)}"
-                if target.exists():
-                    target = self.root / f".unloadable_step_{m.group(1)}_{time.strftime('%Y%m%d%H%M%S')}"
-                os.replace(p, target)
-                moved.append(target)
+            steps = [(_STEP_RE.match(p.name), p) for p in failed]
+            moved = self._rename_aside([(int(m.group(1)), p) for m, p in steps
+                                        if m is not None and p.parent == self.root and p.is_dir()], ".unloadable_step_")
             if moved:
-                fsync_dir(self.root)
                 log.warning("resumed from %s: the newer checkpoints that did not load were set aside as %s (kept for "
                             "inspection, never loaded or counted by checkpoint.keep_last; delete them when not needed)",
                             loaded, ", ".join(str(m) for m in moved))

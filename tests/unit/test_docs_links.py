@@ -17,19 +17,26 @@ def _markdown_files() -> list[Path]:
     return [p for p in REPO.rglob("*.md") if ".git" not in p.parts]
 
 
-def broken_links(path: Path) -> list[str]:
-    """`path:line: target` for each relative link whose target is not there (web links and anchors aside)."""
-    bad, fence = [], False
+def _links(path: Path):
+    """(line number, target) of each link of `path` outside code fences."""
+    fence = False
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if line.startswith("```"):
             fence = not fence
         if fence:
             continue
         for target in LINK.findall(line):
-            if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
-                continue
-            if not (path.parent / target.split("#", 1)[0]).exists():
-                bad.append(f"{path.relative_to(REPO)}:{n}: {target}")
+            yield n, target
+
+
+def broken_links(path: Path) -> list[str]:
+    """`path:line: target` for each relative link whose target is not there (web links and anchors aside)."""
+    bad = []
+    for n, target in _links(path):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+            continue
+        if not (path.parent / target.split("#", 1)[0]).exists():
+            bad.append(f"{path.relative_to(REPO)}:{n}: {target}")
     return bad
 
 
@@ -140,19 +147,14 @@ def heading_anchors(path: Path) -> set[str]:
 
 def broken_anchors(path: Path) -> list[str]:
     """`path:line: target` for each link to `page.md#anchor` (or `#anchor`) whose page has no such heading."""
-    bad, fence = [], False
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.startswith("```"):
-            fence = not fence
-        if fence:
+    bad = []
+    for n, target in _links(path):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or "#" not in target:
             continue
-        for target in LINK.findall(line):
-            if re.match(r"^[a-z][a-z0-9+.-]*:", target) or "#" not in target:
-                continue
-            page, anchor = target.split("#", 1)
-            page_path = path.parent / page if page else path
-            if page_path.suffix == ".md" and page_path.is_file() and anchor not in heading_anchors(page_path):
-                bad.append(f"{path.relative_to(REPO)}:{n}: {target}")
+        page, anchor = target.split("#", 1)
+        page_path = path.parent / page if page else path
+        if page_path.suffix == ".md" and page_path.is_file() and anchor not in heading_anchors(page_path):
+            bad.append(f"{path.relative_to(REPO)}:{n}: {target}")
     return bad
 
 

@@ -18,7 +18,7 @@ not rewrite (e.g. a processor written there first) are carried over — files of
 (weights, adapter, generation config; with `copy_from`, tokenizer / processor files) are not — the
 whole is fsynced, the old folder is moved
 to `.<name>.old`, the new one renamed into place, a `.export_complete` marker written and the old
-folder deleted (`checkpoint.fsutil.replace_dir`). A crash or a full disk therefore never destroys
+folder deleted (`replace_dir`). A crash or a full disk therefore never destroys
 the previous export: at worst it is found under `.<name>.old`, and the next export tidies up.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Optional, Union
+from typing import BinaryIO, Optional, Union
 
 import torch
 from safetensors import safe_open
@@ -500,15 +500,31 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
+def write_file_durably(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Write the file `path` atomically and durably: `write(f)` fills a temporary sibling, which is fsynced, renamed
+    over `path`, and the folder fsynced.
+
+    A file read back as trusted at a later start (a marker, a table computed once) must never be found cut short or
+    missing after a crash of the host: until the rename the final name keeps its previous content (or stays absent),
+    and the folder's fsync puts the new name on disk. A failure while writing removes the temporary file and
+    re-raises."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
 def write_marker(folder: Path, name: str, text: str) -> None:
     """Write `folder/name` atomically and durably: temporary name, fsync, rename, fsync the folder."""
-    tmp = folder / f".{name}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / name)
-    fsync_dir(folder)
+    write_file_durably(folder / name, lambda f: f.write(text.encode()))
 
 
 def replace_dir(tmp: Path, final: Path, old: Path, *, marker: str, marker_text: str,

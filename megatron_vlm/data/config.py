@@ -50,8 +50,11 @@ class DataConfig:
     """Folder that relative image / video paths resolve against; empty = the data file's folder."""
     columns: dict[str, str] = field(default_factory=dict)
     """hf only: our field -> dataset column. Either {"messages": col} (+ optional "image" / "images": col whose
-    values fill the messages' image entries in order, "system": col for rows without a system turn; a column of LLaVA / ShareGPT {"from", "value"} turns
-    takes the "image" / "images" columns at its "<image>" markers and an optional "system" column), or {"prompt": col, "answer": col} with optional
+    values fill the messages' image entries in order, "video": col, one video (a file, or a list of frames) for the
+    messages' "<video>" marker or video entry without data, "system": col for rows without a system turn; a column of
+    LLaVA / ShareGPT {"from", "value"} turns takes the "image" / "images" columns at its "<image>" markers, the "video"
+    column at its "<video>" marker (LLaVA-Video-178K's "<image>" marker when the row has a video and no image) and an
+    optional "system" column), or {"prompt": col, "answer": col} with optional
     "image" / "images", "video", "system" columns (a one-turn conversation is built from them; a prompt cell that is
     a list of messages is TRL's conversational prompt-completion: its turns, then the answer cell's string or one
     assistant message); for
@@ -142,11 +145,11 @@ class DataConfig:
                 raise ValueError(f"columns: unknown key {unknown[0]!r}; allowed: {sorted(allowed)}")
             # the messages layout reads its turns, images and system turn; these belong to the prompt / answer one
             # (chosen / rejected beside messages: refused by mode, config/mode_keys.py)
-            unread = sorted(keys & {"prompt", "answer", "video"}) if "messages" in keys and not keys & {
+            unread = sorted(keys & {"prompt", "answer"}) if "messages" in keys and not keys & {
                 "chosen", "rejected"} else []
             if unread:
                 raise ValueError(f"columns: {unread[0]!r} is not read beside 'messages' (a messages column reads the "
-                                 "conversation with its 'image' / 'images' and 'system' columns); remove it")
+                                 "conversation with its 'image' / 'images', 'video' and 'system' columns); remove it")
         reserved = sorted(set(self.chat_template_kwargs) & RESERVED_TEMPLATE_KWARGS)
         if reserved:
             raise ValueError(f"chat_template_kwargs.{reserved[0]}: set by the pipeline itself (it renders "

@@ -10,7 +10,10 @@ row on demand, through the column mapping of the `[data] columns` table:
   "<image>" marker in the text instead of an image item);
 - LLaVA / ShareGPT conversation datasets (a column of {"from", "value"} turns, e.g. LLaVA-OneVision's
   "conversations"): the same {"messages": col} mapping; the row's "image" / "images" columns go where the
-  turns' "<image>" markers are and an optional "system" column becomes the system turn (conversations.py);
+  turns' "<image>" markers are, its "video" column (one video: a file, or a list of frames) where the "<video>"
+  marker is (LLaVA-Video-178K writes it as "<image>" in a row with a video and no image: read as the messages_jsonl
+  source reads it), and an optional "system" column becomes the system turn (conversations.py); a role / content
+  messages column takes the "video" column at its "<video>" text marker or its video item without data, as images;
 - TRL's conversational prompt-completion datasets: the same {"prompt": col, "answer": col} mapping where the prompt
   cell is a list of messages (no assistant turn: SFT trains every assistant turn, TRL only the completion) and the
   answer cell a string or one assistant message; the conversation is the prompt's turns then the completion, with
@@ -134,10 +137,10 @@ def record_from_columns(row: dict, columns: dict[str, str], *, root: Path, sourc
             except RecursionError:
                 raise BadRecordError("malformed_json", f"column {c['messages']!r}: nested too deeply for the JSON "
                                                        "parser") from None
-        if is_conversation_turns(raw):  # LLaVA / ShareGPT turns: the images go where their "<image>" markers are
+        if is_conversation_turns(raw):  # LLaVA / ShareGPT turns: the media go where their markers are
             refs = [x for key in ("image", "images") if key in c for x in _as_list(row.get(c[key]))]
             raw = messages_from_conversations(raw, system=row.get(c["system"]) if "system" in c else None,
-                                              images=refs, key=f"column {c['messages']!r}")
+                                              images=refs, videos=_row_video(row, c), key=f"column {c['messages']!r}")
             messages = normalize_messages(raw, resolve)
         else:
             messages = _role_messages(raw, row, c, resolve, f"column {c['messages']!r}")
@@ -183,17 +186,26 @@ def record_from_columns(row: dict, columns: dict[str, str], *, root: Path, sourc
     return Record(messages, source, index, meta)
 
 
+def _row_video(row: dict, c: dict[str, str]) -> list:
+    """The row's video under the "video" mapping, as a list of videos: [] without one, else [the cell] (a file, or a
+    list of frames: one video, as a record's "video" key reads, `conversations.media_list`)."""
+    value = row.get(c["video"]) if "video" in c else None
+    return [] if value is None else [list(value) if isinstance(value, tuple) else value]
+
+
 def _role_messages(raw: Any, row: dict, c: dict[str, str], resolve, where: str) -> list[dict]:
     """Normalised role / content `raw` messages with the row's "system" column as their first turn (unless they have
-    one) and its "image" / "images" columns at their "<image>" text markers (ms-swift) or in their image items without
-    data (TRL), in order; BadRecordError when images and their places are not as many."""
+    one) and its "image" / "images" columns ("video" column) at their "<image>" ("<video>") text markers (ms-swift) or
+    in their image (video) items without data (TRL), in order; BadRecordError when media and their places are not as
+    many."""
     system = row.get(c["system"]) if "system" in c else None
     if system and isinstance(raw, list) and not any(isinstance(m, dict) and m.get("role") == "system" for m in raw):
         raw = [{"role": "system", "content": system}, *raw]  # a row's own system turn wins
     image_keys = [key for key in ("image", "images") if key in c]
     refs = [x for key in image_keys for x in _as_list(row.get(c[key]))]
-    if refs and isinstance(raw, list) and marked_text_messages(raw):  # ms-swift's layout: the images go
-        raw, refs = place_marked_media(raw, images=refs, key=where), []  # at the markers
+    videos = _row_video(row, c)
+    if (refs or videos) and isinstance(raw, list) and marked_text_messages(raw):  # ms-swift's layout: the media go
+        raw, refs, videos = place_marked_media(raw, images=refs, videos=videos, key=where), [], []  # at the markers
     messages = normalize_messages(raw, resolve)
     images = [resolve(x) for x in refs]
     empty = [it for m in messages if not isinstance(m["content"], str)
@@ -202,6 +214,16 @@ def _role_messages(raw: Any, row: dict, c: dict[str, str], resolve, where: str) 
         refuse_markers_beside_items(messages, "image", where)
     if empty or images:  # images that no item takes (e.g. "<image>" text markers) would train without them
         fill_image_items(empty, images, where, " + ".join(c[k] for k in image_keys) or None)
+    empty = [it for m in messages if not isinstance(m["content"], str)
+             for it in m["content"] if it["type"] == "video" and it["video"] is None]
+    if videos:
+        refuse_markers_beside_items(messages, "video", where)
+    if empty or videos:  # a video that no item takes would train without it
+        if len(empty) != len(videos):
+            raise BadRecordError("placeholder_mismatch", f"{len(empty)} video items in {where} but {len(videos)} "
+                                                         f"videos in column {c.get('video')!r}")
+        for it, ref in zip(empty, videos):
+            it["video"] = [resolve(x) for x in ref] if isinstance(ref, list) else resolve(ref)
     return messages
 
 

@@ -334,7 +334,7 @@ class RLAdvantagesConfig:
     gamma: Optional[float] = None
     """Discount over the response tokens of GAE (advantage = "gae") and of REINFORCE++'s returns (advantage =
     "reinforce_plus_plus"); unset = 1.0, no discount: the reward sits on the last token. In [0, 1]. Refused with
-    the other estimators."""
+    the other estimators, and below 1 with policy_loss = "gspo" (each token would get its own return)."""
     lam: Optional[float] = None
     """GAE's lambda, the bias / variance trade-off of the advantage (advantage = "gae" only; unset = 0.95, TRL's
     PPO default; 1 = Monte-Carlo returns minus the values, 0 = one-step TD errors). In [0, 1]."""
@@ -345,9 +345,9 @@ class RLAdvantagesConfig:
     each token's advantage its return: the group-centred reward on the last token plus the KL penalties from that
     token on (no discount), then the same global whitening. Read only with loss.kl_coef > 0 (set with 0 it is
     refused). Refused: true with "grpo", "dr_grpo", "rloo" (one advantage per completion, no per-token reward);
-    false with "gae" (the critic learns the rewards with the penalty in them); true with "reinforce_plus_plus_baseline"
-    and policy_loss = "gspo" (per-token returns; gspo takes one advantage per sequence). The one coefficient goes to one place:
-    never both the reward and the loss."""
+    false with "gae" (the critic learns the rewards with the penalty in them); in effect (true, or unset with
+    "reinforce_plus_plus") with policy_loss = "gspo" (per-token returns; gspo takes one advantage per sequence). The
+    one coefficient goes to one place: never both the reward and the loss."""
 
     def validate(self) -> None:
         for name in ("gamma", "lam"):
@@ -865,7 +865,6 @@ class RLConfig:
         (`advantages.gamma` with "reinforce_plus_plus" too); what the critic does not run with yet is refused (exit 2)."""
         from megatron_vlm.rl.algorithms.advantage_estimators import (
             batch_normalised,
-            kl_in_reward,
             needs_critic,
             reads_gamma,
         )
@@ -880,14 +879,8 @@ class RLConfig:
             if self.advantages.lam is not None:
                 raise ValueError(f"advantages.lam: GAE's lam, only read with advantage = 'gae', not "
                                  f"{self.advantage!r}; remove it")
-            if self.policy_loss == "gspo" and batch_normalised(self.advantage) and (
-                    reads_gamma(self.advantage) or kl_in_reward(self.advantage, self.advantages.kl_in_reward)):
-                # per-token returns (a discount, or the KL penalty in the per-token rewards) vary along a sequence:
-                # gspo's loss would raise at the first update, after the step's rollout
-                how = ("" if reads_gamma(self.advantage) else " with advantages.kl_in_reward = true (-kl_coef x KL_t "
-                       "in every token's reward)")
-                raise ValueError(f"policy_loss: 'gspo' takes one advantage per sequence; advantage = {self.advantage!r}"
-                                 f"{how} gives one per token (its returns); use 'clip', 'gspo_token' or 'cispo'")
+            if self.policy_loss == "gspo" and batch_normalised(self.advantage):
+                self._validate_gspo_returns()
             return
         if self.allocation is not None:
             raise ConfigError(f"advantage: {self.advantage!r} (PPO with a critic) is not supported with allocation "
@@ -896,6 +889,29 @@ class RLConfig:
         if self.policy_loss == "gspo":
             raise ValueError(f"policy_loss: 'gspo' takes one advantage per sequence; advantage = {self.advantage!r} gives "
                              "one per token (use 'clip', 'gspo_token' or 'cispo')")
+
+    def _validate_gspo_returns(self) -> None:
+        """`policy_loss = "gspo"` with a batch estimator (REINFORCE++): GSPO clips one ratio per sequence and weighs
+        it by one advantage per sequence. The estimator's advantage of token t is its return, whitened over the step:
+        without a discount (`advantages.gamma` unset or 1) and without the KL penalty in the per-token rewards
+        (`loss.kl_coef = 0`, or `advantages.kl_in_reward = false`), the return is the completion's score on every
+        token, so the advantage is one per sequence and GSPO is defined. A discount, or -kl_coef x KL_t in every
+        token's reward, makes it vary along the sequence: refused here (gspo's loss would raise at the first update,
+        after the step's rollout), naming the key that makes it vary."""
+        from megatron_vlm.rl.algorithms.advantage_estimators import kl_in_reward, reads_gamma
+
+        gamma = self.advantages.gamma
+        if reads_gamma(self.advantage) and gamma is not None and gamma < 1.0:
+            raise ValueError(f"policy_loss: 'gspo' takes one advantage per sequence; advantage = {self.advantage!r} with "
+                             f"advantages.gamma = {gamma} (a discount) gives each token its own return; remove "
+                             "advantages.gamma (or set 1.0), or use policy_loss 'clip', 'gspo_token' or 'cispo'")
+        if self.loss.kl_coef > 0 and kl_in_reward(self.advantage, self.advantages.kl_in_reward):
+            setting = "true" if self.advantages.kl_in_reward else f"unset, {self.advantage!r}'s default: true"
+            raise ValueError(f"policy_loss: 'gspo' takes one advantage per sequence; advantage = {self.advantage!r} with "
+                             f"advantages.kl_in_reward = {setting} puts -loss.kl_coef x KL_t (loss.kl_coef = "
+                             f"{self.loss.kl_coef}) in every token's reward, so each token has its own return; set "
+                             "advantages.kl_in_reward = false (the KL a loss term) or loss.kl_coef = 0, or use policy_loss "
+                             "'clip', 'gspo_token' or 'cispo'")
 
     def _validate_kl_in_reward(self) -> None:
         """`advantages.kl_in_reward`: a setting the estimator can honour, and a KL to place (`loss.kl_coef > 0`)."""

@@ -6,7 +6,8 @@
   (B = 0 at the start), so the policy's own (sharded) forward scores it: no second copy;
 - `PrecomputedReference`: one pass over the train (and held-out) pairs before the first step, scored by
   the policy while it still holds the initial weights (before a checkpoint is resumed), summed per response
-  and kept as a [pairs, 2] table per split in `<output_dir>/dpo_reference_logps.pt`; a later start of the
+  and kept as a [pairs, 2] table per split in `<output_dir>/dpo_reference_logps.pt` (written like a checkpoint
+  file: temporary name, fsync, rename, fsync of the folder, so a crash never leaves it cut short); a later start of the
   same run reads the file back instead of scoring again (scored again when the split sizes, the rows the packs
   hold and their lengths, the data files / synthetic seed, or the model folder and its weight files differ). The table also records
   which rows the pass scored: a pair that failed there (a transient read error, or a pack it could not join)
@@ -32,6 +33,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from megatron_vlm.checkpoint.hf import write_file_durably
 from megatron_vlm.host_copies import on_host
 from megatron_vlm.models.common.lora import lora_disabled
 from megatron_vlm.models.common.parallel_plan import copy_input_casts
@@ -181,9 +183,8 @@ class PrecomputedReference:
         finally:
             wrapper.train(was_training)
         if is_main:
-            tmp = path.with_name(f".{path.name}.tmp")
-            torch.save({"tables": tables, "scored": scored, "sizes": sizes, "model": model_path, "plans": plans}, tmp)
-            tmp.replace(path)
+            table_file = {"tables": tables, "scored": scored, "sizes": sizes, "model": model_path, "plans": plans}
+            write_file_durably(path, lambda f: torch.save(table_file, f))
             partial.path.unlink(missing_ok=True)
             log.info("dpo: reference log-probs of %s pairs precomputed into %s", sizes, path)
         barrier()
@@ -241,10 +242,10 @@ class _Partial:
         return done, dict(saved["sums"])
 
     def write(self, done: dict[str, int], sums: dict[str, torch.Tensor], is_main: bool) -> None:
-        """Rank 0 writes (atomically); every rank waits for it, so a requeued job finds the file."""
+        """Rank 0 writes (atomically and durably, like the complete file); every rank waits for it, so a requeued job
+        finds the file."""
         if is_main:
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
-            torch.save({"identity": json.dumps(self.identity, sort_keys=True), "done": done, "sums": sums}, tmp)
-            tmp.replace(self.path)
+            partial = {"identity": json.dumps(self.identity, sort_keys=True), "done": done, "sums": sums}
+            write_file_durably(self.path, lambda f: torch.save(partial, f))
             log.warning("dpo: stop requested during the reference pass: %s saved (packs per rank: %s)", self.path, done)
         barrier()

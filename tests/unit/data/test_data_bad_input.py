@@ -141,7 +141,7 @@ def test_unexpected_exception_of_one_record_is_counted_with_its_type(tmp_path, p
     assert (bad.index, bad.category, bad.detail) == (2, "unexpected_error", "KeyError: 'no such field'")
 
 
-@pytest.mark.parametrize("extra", ["prompt", "answer", "video"])
+@pytest.mark.parametrize("extra", ["prompt", "answer"])  # "video" is read: the conversation's video (LLaVA-Video)
 def test_columns_beside_messages_that_nothing_reads_are_refused(extra):
     with pytest.raises(ConfigError, match=rf"^data.columns: '{extra}' is not read beside 'messages'"):
         from_dict(DataConfig, {"type": "hf", "columns": {"messages": "m", extra: "x"}}, "data")

@@ -245,8 +245,8 @@ def test_the_loader_accepts_g1_for_reinforce_pp_and_refuses_it_for_the_baseline(
         load_config(GRPO_DEMO, [f'rl.advantage="{BASE}"', "rl.advantages.gamma=0.9"])
     with pytest.raises(ConfigError, match=r"^rl\.advantages\.lam: "):
         load_config(GRPO_DEMO, [f'rl.advantage="{RPP}"', "rl.advantages.lam=0.9"])
-    with pytest.raises(ConfigError, match=r"^rl\.policy_loss: 'gspo' .*reinforce_plus_plus"):
-        load_config(GRPO_DEMO, [f'rl.advantage="{RPP}"', 'rl.policy_loss="gspo"'])
+    with pytest.raises(ConfigError, match=r"^rl\.policy_loss: 'gspo' .*reinforce_plus_plus"):  # KL in every token's reward
+        load_config(GRPO_DEMO, [f'rl.advantage="{RPP}"', 'rl.policy_loss="gspo"', "rl.loss.kl_coef=0.05"])
     assert load_config(GRPO_DEMO, [f'rl.advantage="{RPP}"', "rl.advantages.gamma=0.9"]).rl.advantages.gamma == 0.9
 
 

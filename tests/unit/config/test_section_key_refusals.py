@@ -5,8 +5,6 @@ adapter overrides, the MoE bias rate without bias updates, the sampled pass's ke
 a seed numpy cannot take."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -137,11 +135,9 @@ def test_out_of_range_train_values_name_their_key(sets, key):
 
 
 def test_entry_point_exits_2_naming_the_key(tmp_path):
-    """Through launch/pretrain_vlm.py --check: one line, exit 2 (a negative seed was a numpy traceback at start). A real
-    process: all it prints on stderr is that line."""
-    r = subprocess.run([sys.executable, str(REPO / "launch" / "pretrain_vlm.py"), "--config", str(SFT), "--check",
-                        "--device-memory-gib", "80", "--set", "train.seed=-1", "--set", f'train.output_dir="{tmp_path}"'],
-                       capture_output=True, text=True, timeout=120, cwd=str(REPO))
+    """Through launch/pretrain_vlm.py --check: one line, exit 2 (a negative seed was a numpy traceback at start)."""
+    r = run_launcher("pretrain_vlm", ["--config", SFT, "--check", "--device-memory-gib", "80", "--set", "train.seed=-1",
+                                      "--set", f'train.output_dir="{tmp_path}"'])
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("config error: train.seed: must be"), r.stderr

@@ -31,6 +31,7 @@ import contextlib
 import contextvars
 import importlib
 import logging
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -46,6 +47,28 @@ if TYPE_CHECKING:  # the checks themselves live in availability.py; this module 
     from .config import KernelsConfig
 
 logger = logging.getLogger("megatron_vlm.kernels")
+
+_DYNAMO_CONSTANT = "_dynamo_marked_constant"
+"""The attribute `torch.compiler.assume_constant_result` sets on a function: dynamo reads it while tracing."""
+
+
+def assume_constant_result(fn: Callable) -> Callable:
+    """`torch.compiler.assume_constant_result(fn)` without importing torch._dynamo when it is not imported yet.
+
+    Why: torch's decorator imports torch._dynamo (~1.7 s) for a mark it sets on the function, and the kernel
+    modules apply it at import (with the config package), so every config refusal paid dynamo's import for nothing.
+    Dynamo reads the mark only while it traces, by which time torch.compile has imported it; with dynamo already
+    imported this is torch's own decorator (tests/unit/kernels/test_dynamo_import_deferred.py checks that the
+    two mark a function alike)."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    return _marked_constant(fn)
+
+
+def _marked_constant(fn: Callable) -> Callable:
+    """fn with the mark torch's decorator sets, set here (dynamo not imported)."""
+    setattr(fn, _DYNAMO_CONSTANT, True)
+    return fn
 
 AUTO = "auto"
 _NO_SCOPE: Mapping[str, str] = MappingProxyType({})
@@ -248,7 +271,7 @@ class KernelRegistry:
 DEFAULT_REGISTRY = KernelRegistry()
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _traced_choice(op: str, device_type: str, dtype: torch.dtype) -> str:
     """The default registry's backend name for op, chosen (and imported) eagerly while dynamo
     traces; a constant of the graph."""

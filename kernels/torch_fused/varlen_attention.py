@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from ..reference.attention import check_attention_inputs, normalize_window, packed_max_seqlens
+from ..registry import assume_constant_result
 
 logger = logging.getLogger(__name__)
 _logged: set = set()
@@ -55,7 +56,7 @@ def check(device_type: str, dtype: torch.dtype) -> Optional[str]:
     return info if fn is None else None
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _fallback_to_triton(reason: str, device_type: str, dtype: torch.dtype) -> bool:
     """Whether a call this backend does not map runs our Triton kernel (else SDPA); logged once per reason. Run
     eagerly while dynamo traces a compiled block (a constant of its graph): the availability probe and the log call

@@ -185,6 +185,17 @@ class RouterStats:
     top_k: int
 
 
+def _routed_eager_under_compile() -> None:
+    """`MoE._routed` wrapped in `torch.compiler.disable` (eager under torch.compile), once, as the first block is built.
+
+    Why not the decorator: torch.compiler.disable imports torch._dynamo (~1.7 s), and this module is imported with
+    the config package (training/moe_balancing.py), so every config refusal paid for it. Dynamo traces only a built
+    block, so the wrap made at the first build is in place for every compile."""
+    if not MoE.__dict__.get("_routed_is_eager", False):
+        MoE._routed = torch.compiler.disable(MoE.__dict__["_routed"])  # type: ignore[method-assign]
+        MoE._routed_is_eager = True
+
+
 class MoE(nn.Module):
     """Router + routed experts (+ shared experts, + NemotronH latent projections) over the last dim.
 
@@ -196,6 +207,7 @@ class MoE(nn.Module):
     accepts_route_plan = True  # found by routing_replay.replaying_routes
     route_plan: Optional[tuple[RoutePlan, int]] = None
     compile_opaque = True  # `_routed` runs eagerly under torch.compile (parallel/apply.py apply_compile)
+    _routed_is_eager = False  # `_routed` wrapped in torch.compiler.disable yet (_routed_eager_under_compile)
     # Under "selective" checkpointing + parallel.compile, each its own checkpoint, the layer compiled around them
     # (parallel/apply.py `_pieces`): the routed experts eager, the rest traced.
     selective_pieces = {"gate": True, "fc1_latent_proj": True, "experts": False, "fc2_latent_proj": True,
@@ -218,6 +230,7 @@ class MoE(nn.Module):
         """`router_options`: the `TopKRouter`'s keyword options (score_func, n_group, topk_group, norm_topk_prob,
         routed_scaling_factor, score_correction_bias), its defaults where not given."""
         super().__init__()
+        _routed_eager_under_compile()
         self.gate = TopKRouter(hidden_size, num_experts, top_k, **router_options)
         expert_dim = latent_size if latent_size is not None else hidden_size
         self.experts = GroupedExperts(num_experts, expert_dim, moe_intermediate_size, activation=activation, gated=gated_experts)
@@ -280,7 +293,6 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         return out
 
-    @torch.compiler.disable
     def _routed(self, routed_in: torch.Tensor, scores: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 token_mask: Optional[torch.Tensor]) -> torch.Tensor:
         """Routing replay, the routed experts and the load accounting: eager under torch.compile (`parallel.compile`

@@ -2,14 +2,13 @@
 keys one loss variant ignores, the keys of other modes a DPO run ignores, and the preference columns."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_vlm.config import ConfigError, load_config
 from megatron_vlm.config.mode_keys import check_keys_for_mode
+from tests.unit.launch_in_process import run_launcher
 
 REPO = Path(__file__).resolve().parents[3]
 DPO = REPO / "launch" / "configs" / "demo_dpo.toml"
@@ -78,10 +77,8 @@ def test_preference_columns(mode, columns, key):
 
 
 def test_entry_point_exits_2_naming_the_key():
-    r = subprocess.run([sys.executable, str(REPO / "launch" / "pretrain_vlm.py"), "--config", str(DPO), "--check",
-                        "--device-memory-gib", "8", "--set", "dpo.simpo_gamma=2.0"],
-                       capture_output=True, text=True, cwd=str(REPO), timeout=300)
+    r = run_launcher("pretrain_vlm", ["--config", DPO, "--check", "--device-memory-gib", "8", "--set",
+                                      "dpo.simpo_gamma=2.0"])
     assert r.returncode == 2 and "config error: dpo.simpo_gamma:" in r.stderr, r.stderr[-2000:]
-    r = subprocess.run([sys.executable, str(REPO / "launch" / "pretrain_vlm.py"), "--config", str(DPO), "--check",
-                        "--device-memory-gib", "8"], capture_output=True, text=True, cwd=str(REPO), timeout=300)
+    r = run_launcher("pretrain_vlm", ["--config", DPO, "--check", "--device-memory-gib", "8"])
     assert r.returncode == 0 and "check ok: dpo run" in r.stderr + r.stdout, r.stderr[-2000:]

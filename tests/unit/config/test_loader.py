@@ -12,6 +12,7 @@ import tomllib
 
 from megatron_vlm.config import Config, ConfigError, load_config, load_config_dict, save_config
 from megatron_vlm.config.loader import apply_overrides, field_docs, from_dict, parse_override_value
+from tests.unit.launch_in_process import run_launcher
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -160,14 +161,14 @@ def test_cli_exits_2_with_a_short_message(tmp_path, extra_args, expect):
 
     cfg = tmp_path / "x.toml"
     cfg.write_text(tomli_w.dumps(_raw()))
-    r = subprocess.run([sys.executable, str(REPO / "launch/pretrain_vlm.py"), "--config", str(cfg), *extra_args],
-                       capture_output=True, text=True, timeout=120)
+    r = run_launcher("pretrain_vlm", ["--config", cfg, *extra_args], cwd=None)
     assert r.returncode == 2, r.stderr
     assert expect in r.stderr
     assert "Traceback" not in r.stderr
 
 
 def test_cli_missing_config_file(tmp_path):
+    """A real process: its exit status and all it prints on stderr (the refusals above run the launcher in-process)."""
     r = subprocess.run([sys.executable, str(REPO / "launch/pretrain_vlm.py"), "--config", str(tmp_path / "nope.toml")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "config file not found" in r.stderr and "Traceback" not in r.stderr

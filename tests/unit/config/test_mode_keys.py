@@ -3,7 +3,6 @@ key), GRPO honours `train.epochs`, a rollout batch is bounded by `rl.rollout.mem
 shipped example config passes these checks."""
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace as NS
@@ -15,6 +14,7 @@ from megatron_vlm.config import ConfigError, load_config
 from megatron_vlm.config.mode_keys import check_keys_for_mode, check_moe_section
 from megatron_vlm.inference.kv_budget import rollout_prompts_for_budget
 from megatron_vlm.rl.trainer import grpo_total_steps
+from tests.unit.launch_in_process import run_launcher
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIGS = REPO / "launch" / "configs"
@@ -84,9 +84,8 @@ def test_moe_keys_refused_on_a_dense_model():
 
 
 def test_launcher_exits_2_with_one_line_naming_the_key(tmp_path):
-    r = subprocess.run([sys.executable, str(REPO / "launch" / "pretrain_vlm.py"), "--config", str(GRPO),
-                        "--set", "train.eval_every=5", "--set", f'train.output_dir="{tmp_path}"'],
-                       capture_output=True, text=True, timeout=120, cwd=str(REPO))
+    r = run_launcher("pretrain_vlm", ["--config", GRPO, "--set", "train.eval_every=5", "--set",
+                                      f'train.output_dir="{tmp_path}"'])
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("config error: train.eval_every:"), r.stderr

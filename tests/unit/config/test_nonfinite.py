@@ -10,19 +10,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import subprocess
-import sys
 import types
 import typing
-from pathlib import Path
 from typing import Any, Optional
 
 import pytest
 
 from megatron_vlm.config import Config, ConfigError, load_config_dict
 from megatron_vlm.config.loader import from_dict
+from tests.unit.launch_in_process import run_launcher
 
-REPO = Path(__file__).resolve().parents[3]
 BASE = {
     "model": {"path": "/tmp/some-model"},
     "data": {"type": "synthetic_vqa"},
@@ -149,8 +146,7 @@ def test_cli_set_non_finite_exits_2_naming_the_key(tmp_path, setting, expect):
 
     cfg = tmp_path / "x.toml"
     cfg.write_text(tomli_w.dumps(BASE))
-    r = subprocess.run([sys.executable, str(REPO / "launch/pretrain_vlm.py"), "--config", str(cfg), "--set", setting],
-                       capture_output=True, text=True, timeout=120)
+    r = run_launcher("pretrain_vlm", ["--config", cfg, "--set", setting], cwd=None)
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip() == expect
     assert "Traceback" not in r.stderr
@@ -160,6 +156,5 @@ def test_cli_non_finite_in_the_toml_file_exits_2(tmp_path):
     cfg = tmp_path / "x.toml"
     cfg.write_text('[model]\npath = "/tmp/m"\n[data]\ntype = "synthetic_vqa"\n[train]\nmax_steps = 3\n'
                    "max_grad_norm = nan\n[optimizer]\nlr = 1e-4\n")
-    r = subprocess.run([sys.executable, str(REPO / "launch/pretrain_vlm.py"), "--config", str(cfg)],
-                       capture_output=True, text=True, timeout=120)
+    r = run_launcher("pretrain_vlm", ["--config", cfg], cwd=None)
     assert r.returncode == 2 and r.stderr.strip() == "config error: train.max_grad_norm: must be finite, got nan"

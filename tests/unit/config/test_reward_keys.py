@@ -14,6 +14,7 @@ import pytest
 from megatron_vlm.config import ConfigError, load_config
 from megatron_vlm.config.mode_keys import check_keys_for_mode
 from megatron_vlm.training.reward.build import reward_folder_refusal
+from tests.unit.launch_in_process import run_launcher
 
 REPO = Path(__file__).resolve().parents[3]
 RM = REPO / "launch" / "configs" / "demo_reward_model.toml"
@@ -67,12 +68,9 @@ def test_a_sequence_classification_folder_is_refused_as_the_start():
 
 
 def test_entry_point_exits_2_naming_the_key(tmp_path):
-    r = subprocess.run([sys.executable, str(REPO / "launch" / "pretrain_vlm.py"), "--config", str(RM), "--check",
-                        "--device-memory-gib", "8"], capture_output=True, text=True, cwd=str(REPO), timeout=300)
+    r = run_launcher("pretrain_vlm", ["--config", RM, "--check", "--device-memory-gib", "8"])
     assert r.returncode == 0 and "check ok: reward run" in r.stdout and "reward     Bradley-Terry" in r.stdout, r.stderr
-    r = subprocess.run([sys.executable, str(REPO / "launch" / "pretrain_vlm.py"), "--config", str(RM), "--check",
-                        "--device-memory-gib", "8", "--set", "parallel.tp=2"],
-                       capture_output=True, text=True, cwd=str(REPO), timeout=300)
+    r = run_launcher("pretrain_vlm", ["--config", RM, "--check", "--device-memory-gib", "8", "--set", "parallel.tp=2"])
     assert r.returncode == 2 and "parallel.tp: 2 with train.mode = \"reward\"" in r.stderr, r.stderr[-2000:]
     folder = tmp_path / "rm"
     folder.mkdir()

@@ -5,8 +5,6 @@ adapter overrides, the MoE bias rate without bias updates, the sampled pass's ke
 a seed numpy cannot take."""
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import pytest
 from megatron_vlm.config import ConfigError, load_config
 from megatron_vlm.config.mode_keys import check_keys_for_mode
 from tests.fixtures.eval_config import write_eval_config
+from tests.unit.launch_in_process import run_launcher
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIGS = REPO / "launch" / "configs"
@@ -108,8 +107,7 @@ def test_check_refuses_bias_balancing_keys_for_routers_without_a_bias(tmp_path):
     base = ["--config", str(CONFIGS / "demo_qwen3_vl.toml"), "--check", "--device-memory-gib", "80",
             "--set", 'model.synthesize="tiny_qwen3_vl_moe"', "--set", f'model.path="{tmp_path / "m"}"',
             "--set", f'train.output_dir="{tmp_path / "run"}"']
-    r = subprocess.run([sys.executable, str(REPO / "launch" / "pretrain_vlm.py"), *base, "--set", "moe.bias_update_rate=0.01"],
-                       capture_output=True, text=True, timeout=120, cwd=str(REPO))
+    r = run_launcher("pretrain_vlm", [*base, "--set", "moe.bias_update_rate=0.01"])
     assert r.returncode == 2, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1].startswith("check failed: moe.bias_update_rate: the model's MoE routers"), \
         r.stderr[-2000:]
@@ -138,9 +136,8 @@ def test_out_of_range_train_values_name_their_key(sets, key):
 
 def test_entry_point_exits_2_naming_the_key(tmp_path):
     """Through launch/pretrain_vlm.py --check: one line, exit 2 (a negative seed was a numpy traceback at start)."""
-    r = subprocess.run([sys.executable, str(REPO / "launch" / "pretrain_vlm.py"), "--config", str(SFT), "--check",
-                        "--device-memory-gib", "80", "--set", "train.seed=-1", "--set", f'train.output_dir="{tmp_path}"'],
-                       capture_output=True, text=True, timeout=120, cwd=str(REPO))
+    r = run_launcher("pretrain_vlm", ["--config", SFT, "--check", "--device-memory-gib", "80", "--set", "train.seed=-1",
+                                      "--set", f'train.output_dir="{tmp_path}"'])
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("config error: train.seed: must be"), r.stderr

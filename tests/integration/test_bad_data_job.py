@@ -14,6 +14,9 @@ left out and counted, never an exit in the middle of a run.
 - A GRPO prompt set with half its prompts over-long, one prompt per step: the first step that drew
   only over-long prompts ended the run with exit 2. They are now left out at start-up and counted
   (rl/prompts/lengths.py); the run trains every step.
+
+The jobs whose subject is the data run in this process (`run_job_here`); the refusal of an unusable eval split and
+the evaluation job's exit 2 are checked on real processes.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import os
 import subprocess
 import sys
 
-from jobs import REPO, read_metrics, run_job, small_demo_overrides
+from jobs import REPO, read_metrics, run_job, run_job_here, small_demo_overrides
 from PIL import Image
 
 
@@ -67,7 +70,7 @@ def test_grpo_over_long_prompts_are_left_out_at_start_not_fatal_mid_run(tmp_path
         "train.max_steps": 4, "rl.batch.prompts_per_step": 1, "rl.batch.group_size": 2, "rl.batch.mini_batches_per_step": 1,
         "rl.batch.ppo_epochs": 1, "checkpoint.every_steps": 4}) if not o.startswith("data.synthetic")]
     overrides += ['data.type="messages_jsonl"', f'data.train_path="{data / "prompts.jsonl"}"']
-    r = run_job(overrides, check=False, timeout=300, config=REPO / "launch" / "configs" / "demo_grpo.toml")
+    r = run_job_here(overrides, check=False, config=REPO / "launch" / "configs" / "demo_grpo.toml")
     assert r.returncode == 0, r.stderr[-3000:]
     assert [int(row["step"]) for row in read_metrics(out / "metrics_train.csv")] == [1, 2, 3, 4]
     bad = json.loads((out / "bad_records.json").read_text())
@@ -88,7 +91,7 @@ def _sft_on(tmp_path, images: list[str], **extra):
         "data.max_tokens_per_pack": 60, "data.shuffle": "false", "checkpoint.enable": "false",
         "checkpoint.export_hf": "false", **extra}) if not o.startswith("data.synthetic")]
     overrides += ['data.type="messages_jsonl"', f'data.train_path="{data / "train.jsonl"}"', 'data.eval_path=""']
-    return out, run_job(overrides, check=False, timeout=300)
+    return out, run_job_here(overrides, check=False)
 
 
 def test_sft_step_whose_packs_hold_no_trained_token_takes_the_next_packs(tmp_path):
@@ -151,7 +154,7 @@ def test_pair_split_whose_pairs_all_fail_when_processed_is_exit_2_with_its_recor
         "data.max_tokens_per_pack": 100, "data.shuffle": "false", "checkpoint.enable": "false",
         "checkpoint.export_hf": "false"}) if not o.startswith("data.synthetic")]
     overrides += ['data.type="messages_jsonl"', f'data.train_path="{data / "train.jsonl"}"', 'data.eval_path=""']
-    r = run_job(overrides, check=False, timeout=300, config=REPO / "launch" / "configs" / "demo_reward_model.toml")
+    r = run_job_here(overrides, check=False, config=REPO / "launch" / "configs" / "demo_reward_model.toml")
     assert r.returncode == 2, r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("config error: data.train_path: 4 packs in a row without a usable pair"), last

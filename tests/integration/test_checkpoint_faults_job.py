@@ -109,17 +109,17 @@ def test_disk_full_on_one_rank_fails_every_rank_quickly_and_keeps_the_previous(t
 
 @pytest.mark.slow
 def test_job_resumes_from_the_previous_checkpoint_when_the_newest_is_corrupt(tmp_path):
-    from jobs import run_job, small_demo_overrides
+    from jobs import run_job_here, small_demo_overrides
 
     assets = tmp_path / "assets"
     out = tmp_path / "run"
     common = {"checkpoint.every_steps": 2, "checkpoint.keep_last": 0, "checkpoint.export_hf": "false",
               "train.eval_every": 0}
-    run_job(small_demo_overrides(out, assets, **{"train.max_steps": 4, **common}))
+    run_job_here(small_demo_overrides(out, assets, **{"train.max_steps": 4, **common}))
     step4 = out / "checkpoints" / "step_4"
     for f in step4.glob("*.distcp"):
         f.write_bytes(f.read_bytes()[:16])  # truncated shard, marker still there
-    r = run_job(small_demo_overrides(out, assets, **{"train.max_steps": 6, **common}))
+    r = run_job_here(small_demo_overrides(out, assets, **{"train.max_steps": 6, **common}))
     assert f"cannot load checkpoint {step4}" in r.stderr and "falling back" in r.stderr
     assert "Resumed from checkpoint: step=2" in r.stderr
     assert (out / "checkpoints" / "step_6" / "COMPLETE").is_file()

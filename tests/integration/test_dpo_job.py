@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from jobs import REPO, load_safetensors_dir, merged_sets, read_metrics, run_job, small_demo_overrides
+from jobs import REPO, load_safetensors_dir, merged_sets, read_metrics, run_job, run_job_here, small_demo_overrides
 
 DPO_DEMO = REPO / "launch" / "configs" / "demo_dpo.toml"
 
@@ -31,8 +31,8 @@ def _train(path):
 
 def test_dpo_job_resumes_exactly(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_job(_overrides(straight, tmp_path), config=DPO_DEMO)
-    r = run_job(_overrides(resumed, tmp_path, **{"checkpoint.resume": f'"{straight / "checkpoints" / "step_2"}"'}),
+    run_job_here(_overrides(straight, tmp_path), config=DPO_DEMO)
+    r = run_job_here(_overrides(resumed, tmp_path, **{"checkpoint.resume": f'"{straight / "checkpoints" / "step_2"}"'}),
                 config=DPO_DEMO)
     assert "Resumed from checkpoint: step=2" in r.stderr
     a, b = _train(straight), _train(resumed)
@@ -56,8 +56,8 @@ def test_lora_dpo_writes_a_peft_adapter_and_resumes(tmp_path, loss):
     lora = {"train.train_layers": "[]", "lora.r": 4, "lora.alpha": 8, "lora.target_modules": '["q_proj", "v_proj"]',
             "dpo.reference": '"on_the_fly"', "dpo.loss_type": f'"{loss}"', "train.max_steps": 3}
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_job(_overrides(straight, tmp_path, **lora), config=DPO_DEMO)
-    run_job(_overrides(resumed, tmp_path, **lora, **{"checkpoint.resume": f'"{straight / "checkpoints" / "step_2"}"'}),
+    run_job_here(_overrides(straight, tmp_path, **lora), config=DPO_DEMO)
+    run_job_here(_overrides(resumed, tmp_path, **lora, **{"checkpoint.resume": f'"{straight / "checkpoints" / "step_2"}"'}),
             config=DPO_DEMO)
     adapter = straight / "adapter"
     assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()

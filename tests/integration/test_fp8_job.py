@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from jobs import load_safetensors_dir, read_metrics, run_job, small_demo_overrides
+from jobs import load_safetensors_dir, read_metrics, run_job_here, small_demo_overrides
 
 pytestmark = pytest.mark.distributed
 
@@ -21,8 +21,8 @@ LOSS_TOL = 0.05
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("assets")
-    run_job(small_demo_overrides(root / "warmup", root, **{"train.max_steps": 1, "checkpoint.enable": "false",
-                                                             "checkpoint.export_hf": "false"}))
+    run_job_here(small_demo_overrides(root / "warmup", root, **{"train.max_steps": 1, "checkpoint.enable": "false",
+                                                                  "checkpoint.export_hf": "false"}))
     return root
 
 
@@ -53,7 +53,7 @@ def _fp8(recipe: str) -> dict:
 @pytest.fixture(scope="module")
 def bf16_run(assets, tmp_path_factory):
     out = tmp_path_factory.mktemp("bf16") / "run"
-    run_job(small_demo_overrides(out, assets, **COMMON, **{"train.precision": '"bf16"'}))
+    run_job_here(small_demo_overrides(out, assets, **COMMON, **{"train.precision": '"bf16"'}))
     return out
 
 
@@ -61,11 +61,11 @@ def test_fp8_job_close_to_bf16_resumes_and_exports_high_precision(tmp_path, asse
     from transformers import AutoModelForImageTextToText
 
     straight, resumed = tmp_path / "fp8", tmp_path / "fp8_resumed"
-    r = run_job(small_demo_overrides(straight, assets, **COMMON, **_fp8("tensorwise")))
+    r = run_job_here(small_demo_overrides(straight, assets, **COMMON, **_fp8("tensorwise")))
     assert "run float8 matmuls" in r.stderr and "emulated" in r.stderr
     # the same job stopped after step 2, then resumed to step 4
-    run_job(small_demo_overrides(resumed, assets, **{**COMMON, "train.max_steps": 2}, **_fp8("tensorwise")))
-    r = run_job(small_demo_overrides(resumed, assets, **COMMON, **_fp8("tensorwise")))
+    run_job_here(small_demo_overrides(resumed, assets, **{**COMMON, "train.max_steps": 2}, **_fp8("tensorwise")))
+    r = run_job_here(small_demo_overrides(resumed, assets, **COMMON, **_fp8("tensorwise")))
     assert "Resumed from checkpoint: step=2" in r.stderr
 
     ref, got, again = _losses(bf16_run), _losses(straight), _losses(resumed)
@@ -93,7 +93,7 @@ def test_fp8_job_close_to_bf16_resumes_and_exports_high_precision(tmp_path, asse
 @pytest.mark.heavy  # kept out of CI's run for its time budget; the unit tests cover the logic
 def test_fp8_rowwise_job_close_to_bf16(tmp_path, assets, bf16_run):
     out = tmp_path / "rowwise"
-    r = run_job(small_demo_overrides(out, assets, **COMMON, **_fp8("rowwise"), **{"checkpoint.export_hf": "false"}))
+    r = run_job_here(small_demo_overrides(out, assets, **COMMON, **_fp8("rowwise"), **{"checkpoint.export_hf": "false"}))
     assert "fp8 (rowwise scaling, emulated)" in r.stderr
     ref, got = _losses(bf16_run), _losses(out)
     assert sorted(got) == [1, 2, 3, 4]

@@ -7,7 +7,7 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-from jobs import REPO, read_metrics, run_job
+from jobs import REPO, read_metrics, run_job_here
 
 from tests.fixtures.framework_prompt_tables import verl_table, write_verl_geo3k
 
@@ -30,7 +30,7 @@ def test_grpo_job_from_a_verl_parquet(tmp_path):
         "rl.batch.ppo_epochs": 1, "checkpoint.every_steps": 1, "rl.loss.kl_coef": 0.0, "rl.recompute_logprobs": "false",
         "rl.eval.max_new_tokens": 2, "rl.rollout.max_new_tokens": 3}) if not o.startswith("data.synthetic")]
     overrides += ['data.type="hf"', f'data.train_path="{train}"', f'data.eval_path="{test}"', "data.max_tokens_per_pack=256"]
-    r = run_job(overrides, check=False, timeout=300, config=REPO / "launch" / "configs" / "demo_grpo.toml")
+    r = run_job_here(overrides, check=False, config=REPO / "launch" / "configs" / "demo_grpo.toml")
     assert r.returncode == 0, r.stderr[-3000:]
     assert [int(row["step"]) for row in read_metrics(out / "metrics_train.csv")] == [1]
     assert [int(row["step"]) for row in read_metrics(out / "metrics_eval.csv")] == [0, 1]

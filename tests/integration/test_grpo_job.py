@@ -7,7 +7,7 @@ and sequence-mean loss all active."""
 from __future__ import annotations
 
 import pytest
-from jobs import REPO, as_overrides, load_safetensors_dir, read_metrics, run_job
+from jobs import REPO, as_overrides, load_safetensors_dir, read_metrics, run_job, run_job_here
 
 pytestmark = pytest.mark.distributed
 
@@ -55,7 +55,7 @@ def grpo_overrides(out, assets, **extra) -> list[str]:
 def test_grpo_run_folder_and_exact_resume_after_kill9(tmp_path):
     assets = tmp_path / "assets"
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    run_job(grpo_overrides(straight, assets), config=GRPO_DEMO)
+    run_job_here(grpo_overrides(straight, assets), config=GRPO_DEMO)
     rows = read_metrics(straight / "metrics_train.csv")
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
     for key in RECIPE_METRICS:
@@ -70,7 +70,7 @@ def test_grpo_run_folder_and_exact_resume_after_kill9(tmp_path):
                 check=False)
     assert r.returncode == -9, (r.returncode, r.stderr[-3000:])
     assert (crashed / "checkpoints" / "step_2" / "COMPLETE").is_file()
-    r = run_job(grpo_overrides(crashed, assets), config=GRPO_DEMO)
+    r = run_job_here(grpo_overrides(crashed, assets), config=GRPO_DEMO)
     assert "Resumed from checkpoint: step=2" in r.stderr
     resumed = {int(x["step"]): x for x in read_metrics(crashed / "metrics_train.csv")}
     for row in rows:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from jobs import REPO, load_safetensors_dir, read_metrics, run_job, small_demo_overrides
+from jobs import REPO, load_safetensors_dir, read_metrics, run_job, run_job_here, small_demo_overrides
 
 pytest.importorskip("peft")
 
@@ -32,9 +32,9 @@ def _convert(argv):
 
 def test_lora_job_adapter_resume_and_merge(tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_job(_overrides(straight, tmp_path))
+    run_job_here(_overrides(straight, tmp_path))
     ckpt = straight / "checkpoints"
-    r = run_job(_overrides(resumed, tmp_path, **{"checkpoint.resume": f'"{ckpt / "step_2"}"'}))
+    r = run_job_here(_overrides(resumed, tmp_path, **{"checkpoint.resume": f'"{ckpt / "step_2"}"'}))
     assert "Resumed from checkpoint: step=2" in r.stderr
     a, b = load_safetensors_dir(straight / "adapter"), load_safetensors_dir(resumed / "adapter")
     assert a.keys() == b.keys() and len(a) == 2 * 4 * 2  # 4 projections x 2 layers x (A, B)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from jobs import load_safetensors_dir, read_metrics, run_job, small_demo_overrides
+from jobs import load_safetensors_dir, read_metrics, run_job, run_job_here, small_demo_overrides
 
 SETS = {"train.precision": '"bf16"', "train.micro_batches_per_step": "2", "train.eval_generate": "false",
         "checkpoint.every_steps": "2", "checkpoint.keep_last": "0"}
@@ -28,8 +28,8 @@ def _rows(run) -> dict:
 def test_no_fsdp_job_is_fsdp2_mixed_precision_bitwise(tmp_path):
     assets = tmp_path / "assets"
     fsdp, plain, resumed = tmp_path / "fsdp", tmp_path / "plain", tmp_path / "resumed"
-    run_job(small_demo_overrides(fsdp, assets, **SETS))
-    r = run_job(small_demo_overrides(plain, assets, **SETS, **{"parallel.fsdp": "false"}))
+    run_job_here(small_demo_overrides(fsdp, assets, **SETS))
+    r = run_job_here(small_demo_overrides(plain, assets, **SETS, **{"parallel.fsdp": "false"}))
     assert "parallel.fsdp = false" in r.stderr
     a, b = _rows(fsdp), _rows(plain)
     assert sorted(a) == [1, 2, 3, 4] and a == b, (a, b)
@@ -40,7 +40,7 @@ def test_no_fsdp_job_is_fsdp2_mixed_precision_bitwise(tmp_path):
 
     # the FSDP2 run's step-2 checkpoint, resumed without FSDP2: steps 3-4 as the FSDP2 run made them
     shutil.copytree(fsdp / "checkpoints" / "step_2", resumed / "checkpoints" / "step_2")
-    r = run_job(small_demo_overrides(resumed, assets, **{**SETS, "parallel.fsdp": "false"}))
+    r = run_job_here(small_demo_overrides(resumed, assets, **{**SETS, "parallel.fsdp": "false"}))
     assert "Resumed from checkpoint: step=2" in r.stderr, r.stderr[-3000:]
     c = _rows(resumed)
     assert {s: c[s] for s in (3, 4)} == {s: a[s] for s in (3, 4)}, (c, a)
@@ -56,8 +56,8 @@ def test_no_fsdp_fp8_job_is_fsdp2_bitwise(tmp_path):
     """train.precision = "fp8" (torchao's float8 linears, emulated on the CPU) over bf16 weights: as under FSDP2."""
     pytest.importorskip("torchao")
     assets, sets = tmp_path / "assets", {"train.precision": '"fp8"', "train.eval_generate": "false", "train.max_steps": "3"}
-    run_job(small_demo_overrides(tmp_path / "fsdp", assets, **sets))
-    run_job(small_demo_overrides(tmp_path / "plain", assets, **sets, **{"parallel.fsdp": "false"}))
+    run_job_here(small_demo_overrides(tmp_path / "fsdp", assets, **sets))
+    run_job_here(small_demo_overrides(tmp_path / "plain", assets, **sets, **{"parallel.fsdp": "false"}))
     a, b = _rows(tmp_path / "fsdp"), _rows(tmp_path / "plain")
     assert sorted(a) == [1, 2, 3] and a == b, (a, b)
 
@@ -69,8 +69,8 @@ def test_no_fsdp_grpo_decodes_with_the_trainer_weights_as_fsdp2_shared(tmp_path)
     from test_grpo_job import GRPO_DEMO, grpo_overrides
 
     assets, sets = tmp_path / "assets", {"train.precision": '"bf16"', "checkpoint.every_steps": "0"}
-    run_job(grpo_overrides(tmp_path / "fsdp", assets, **sets), config=GRPO_DEMO)
-    r = run_job(grpo_overrides(tmp_path / "plain", assets, **sets, **{"parallel.fsdp": "false"}), config=GRPO_DEMO)
+    run_job_here(grpo_overrides(tmp_path / "fsdp", assets, **sets), config=GRPO_DEMO)
+    r = run_job_here(grpo_overrides(tmp_path / "plain", assets, **sets, **{"parallel.fsdp": "false"}), config=GRPO_DEMO)
     assert "decodes with the trainer's bf16 weights in place" in r.stderr
     keys = ("loss", "reward/mean", "grad_norm", "response_length/mean")
     a, b = ([{k: x.get(k) for k in keys} for x in read_metrics(tmp_path / run / "metrics_train.csv")] for run in ("fsdp", "plain"))

@@ -1,5 +1,8 @@
 """Whole SFT jobs through the entry point: run folder contents, 1-vs-2-process equivalence, exact
-resume after kill -9, partial checkpoints ignored, HF export loads in transformers with equal logits."""
+resume after kill -9, partial checkpoints ignored, HF export loads in transformers with equal logits.
+
+One-process jobs whose subject is not the process run in this one (`run_job_here`: the launcher's `main`); the
+kill -9, torchrun and real-process refusals start processes (`run_job`)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +13,7 @@ from pathlib import Path
 import pytest
 import tomllib
 import torch
-from jobs import REPO, load_safetensors_dir, read_metrics, run_job, small_demo_overrides
+from jobs import REPO, load_safetensors_dir, read_metrics, run_job, run_job_here, small_demo_overrides
 
 pytestmark = pytest.mark.distributed
 
@@ -19,14 +22,14 @@ pytestmark = pytest.mark.distributed
 def assets(tmp_path_factory):
     """Tiny model + synthetic data created once by a first short run, shared by the tests."""
     root = tmp_path_factory.mktemp("assets")
-    run_job(small_demo_overrides(root / "warmup", root, **{"train.max_steps": 1, "checkpoint.enable": "false",
-                                                             "checkpoint.export_hf": "false"}))
+    run_job_here(small_demo_overrides(root / "warmup", root, **{"train.max_steps": 1, "checkpoint.enable": "false",
+                                                                  "checkpoint.export_hf": "false"}))
     return root
 
 
 def test_run_folder_has_everything(tmp_path, assets):
     out = tmp_path / "run"
-    run_job(small_demo_overrides(out, assets, **{"logging.tensorboard": "true"}))
+    run_job_here(small_demo_overrides(out, assets, **{"logging.tensorboard": "true"}))
     assert (out / "config.toml").is_file()
     rows = read_metrics(out / "metrics_train.csv")
     assert [int(r["step"]) for r in rows] == [1, 2, 3, 4]
@@ -38,14 +41,13 @@ def test_run_folder_has_everything(tmp_path, assets):
     assert (out / "checkpoints" / "step_2" / "COMPLETE").is_file()
     assert (out / "hf" / "config.json").is_file() and list((out / "hf").glob("*.safetensors"))
     # on-demand conversion of the final distributed checkpoint gives the same tensors as the export
-    import subprocess
-    import sys
+    import importlib.util
 
-    from jobs import REPO
-
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", REPO / "launch" / "convert_checkpoint.py")
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
     conv = tmp_path / "converted"
-    subprocess.run([sys.executable, str(REPO / "launch/convert_checkpoint.py"), "--checkpoint",
-                    str(out / "checkpoints" / "step_4"), "--out", str(conv)], check=True, cwd=str(REPO), timeout=300)
+    assert convert.main(["--checkpoint", str(out / "checkpoints" / "step_4"), "--out", str(conv)]) == 0
     a, b = load_safetensors_dir(out / "hf"), load_safetensors_dir(conv)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert (conv / "tokenizer_config.json").is_file()
@@ -53,8 +55,8 @@ def test_run_folder_has_everything(tmp_path, assets):
     again = tmp_path / "again"
     cfg = tomllib.loads((out / "config.toml").read_text())
     assert cfg["train"]["max_steps"] == 4
-    run_job([f'train.output_dir="{again}"', "checkpoint.export_hf=false", "checkpoint.enable=false"],
-            config=out / "config.toml")
+    run_job_here([f'train.output_dir="{again}"', "checkpoint.export_hf=false", "checkpoint.enable=false"],
+                 config=out / "config.toml")
     a = [float(r["loss"]) for r in rows]
     b = [float(r["loss"]) for r in read_metrics(again / "metrics_train.csv")]
     assert a == b
@@ -63,7 +65,7 @@ def test_run_folder_has_everything(tmp_path, assets):
 def test_two_processes_match_one(tmp_path, assets):
     one = tmp_path / "one"
     two = tmp_path / "two"
-    run_job(small_demo_overrides(one, assets, **{"train.micro_batches_per_step": 2, "checkpoint.enable": "false"}))
+    run_job_here(small_demo_overrides(one, assets, **{"train.micro_batches_per_step": 2, "checkpoint.enable": "false"}))
     run_job(small_demo_overrides(two, assets, **{"train.micro_batches_per_step": 1, "checkpoint.enable": "false"}), nproc=2)
     l1 = [float(r["loss"]) for r in read_metrics(one / "metrics_train.csv")]
     l2 = [float(r["loss"]) for r in read_metrics(two / "metrics_train.csv")]
@@ -82,13 +84,13 @@ def test_exact_resume_after_kill9(tmp_path, assets):
     straight = tmp_path / "straight"
     crashed = tmp_path / "crashed"
     common = {"train.max_steps": 6, "checkpoint.every_steps": 3, "checkpoint.keep_last": 0}
-    run_job(small_demo_overrides(straight, assets, **common))
+    run_job_here(small_demo_overrides(straight, assets, **common))
     r = run_job(small_demo_overrides(crashed, assets, **common), env={"MEGATRON_VLM_FAULT_KILL_AT_STEP": "5"},
                 check=False)
     assert r.returncode == -9, (r.returncode, r.stderr[-2000:])
     assert (crashed / "checkpoints" / "step_3" / "COMPLETE").is_file()
     assert not (crashed / "checkpoints" / "step_6").exists()
-    r = run_job(small_demo_overrides(crashed, assets, **common))
+    r = run_job_here(small_demo_overrides(crashed, assets, **common))
     assert "Resumed from checkpoint: step=3" in r.stderr
     a, b = load_safetensors_dir(straight / "hf"), load_safetensors_dir(crashed / "hf")
     assert a.keys() == b.keys()
@@ -129,13 +131,13 @@ def test_sigterm_between_steps_saves_the_boundary_and_resumes_exactly(tmp_path, 
 
 def test_partial_checkpoint_is_ignored(tmp_path, assets):
     out = tmp_path / "run"
-    run_job(small_demo_overrides(out, assets, **{"train.max_steps": 2, "checkpoint.every_steps": 2}))
+    run_job_here(small_demo_overrides(out, assets, **{"train.max_steps": 2, "checkpoint.every_steps": 2}))
     ck = out / "checkpoints"
     # a crash mid-save leaves a temp folder, or a renamed folder without its marker: never loaded
     shutil.copytree(ck / "step_2", ck / "step_3")
     (ck / "step_3" / "COMPLETE").unlink()
     shutil.copytree(ck / "step_2", ck / ".tmp_step_4")
-    r = run_job(small_demo_overrides(out, assets, **{"train.max_steps": 4, "checkpoint.every_steps": 2}))
+    r = run_job_here(small_demo_overrides(out, assets, **{"train.max_steps": 4, "checkpoint.every_steps": 2}))
     assert "Resumed from checkpoint: step=2" in r.stderr
 
 
@@ -145,7 +147,7 @@ def test_hf_export_loads_in_transformers_with_equal_logits(tmp_path, assets):
     from megatron_vlm.checkpoint.hf import load_hf_model
 
     out = tmp_path / "run"
-    run_job(small_demo_overrides(out, assets, **{"train.max_steps": 2}))
+    run_job_here(small_demo_overrides(out, assets, **{"train.max_steps": 2}))
     ours = load_hf_model(out / "hf", dtype=torch.float32)
     ref = AutoModelForImageTextToText.from_pretrained(out / "hf", dtype=torch.float32).eval()
     cfg = ref.config
@@ -176,7 +178,7 @@ def test_bad_records_are_skipped_and_counted(tmp_path, assets):
     train = data / "train_with_bad.jsonl"
     train.write_text("\n".join(body) + "\n")
     out = tmp_path / "run"
-    r = run_job(small_demo_overrides(out, assets, **{
+    r = run_job_here(small_demo_overrides(out, assets, **{
         "data.type": '"messages_jsonl"', "data.train_path": f'"{train}"',
         "data.eval_path": f'"{data / "eval.jsonl"}"', "train.max_steps": 2, "checkpoint.enable": "false",
         "checkpoint.export_hf": "false"}))
@@ -224,8 +226,8 @@ def test_bf16_precision_job_evaluates(tmp_path, assets):
     cache holds bf16 keys / values like the forward computing them. It was allocated in the fp32 weight
     dtype, so the first evaluation failed on a GPU with 'q, k, v dtypes differ'; bf16 runs on the CPU too."""
     out = tmp_path / "run"
-    run_job(small_demo_overrides(out, assets, **{"train.max_steps": 2, "train.precision": '"bf16"',
-                                                 "checkpoint.every_steps": 0}))
+    run_job_here(small_demo_overrides(out, assets, **{"train.max_steps": 2, "train.precision": '"bf16"',
+                                                      "checkpoint.every_steps": 0}))
     rows = read_metrics(out / "metrics_eval.csv")
     assert rows and all(0.0 <= float(r["answer_accuracy"]) <= 1.0 for r in rows if r.get("answer_accuracy"))
     assert any(r.get("answer_accuracy") for r in rows)
@@ -323,8 +325,10 @@ def test_mcore_backend_job_matches_native(family, tmp_path, assets):
     runs = {}
     for backend in ("native", "mcore"):
         out = tmp_path / backend
-        r = run_job(small_demo_overrides(out, assets, **{"parallel.backend": f'"{backend}"', "checkpoint.enable": "false",
-                                                         "train.max_steps": 3, **extra}))
+        # megatron-core's model-parallel state is the process's: its job runs in a process of its own
+        job = run_job if backend == "mcore" else run_job_here
+        r = job(small_demo_overrides(out, assets, **{"parallel.backend": f'"{backend}"', "checkpoint.enable": "false",
+                                                     "train.max_steps": 3, **extra}))
         runs[backend] = (out, r)
     assert "parallel.backend = mcore" in runs["mcore"][1].stderr + runs["mcore"][1].stdout
     loss = {b: [float(r["loss"]) for r in read_metrics(out / "metrics_train.csv")] for b, (out, _) in runs.items()}
@@ -344,7 +348,8 @@ def test_export_dtype_bfloat16_halves_the_folder(tmp_path, assets):
     runs = {}
     for name, extra in (("fp32", {}), ("bf16", {"checkpoint.export_dtype": '"bfloat16"'})):
         runs[name] = tmp_path / name
-        run_job(small_demo_overrides(runs[name], assets, **{"train.max_steps": 2, "checkpoint.enable": "false", **extra}))
+        run_job_here(small_demo_overrides(runs[name], assets, **{"train.max_steps": 2, "checkpoint.enable": "false",
+                                                                 **extra}))
     full, half = load_safetensors_dir(runs["fp32"] / "hf"), load_safetensors_dir(runs["bf16"] / "hf")
     assert full.keys() == half.keys() and {t.dtype for t in full.values()} == {torch.float32}
     assert {t.dtype for t in half.values()} == {torch.bfloat16}
@@ -357,7 +362,7 @@ def test_export_dtype_bfloat16_halves_the_folder(tmp_path, assets):
 def test_chat_template_kwargs_the_template_never_reads_exit_2(tmp_path, assets):
     """data.chat_template_kwargs reaches the run's processor: a name its template never reads is refused before
     anything trains (the tiny model's ChatML template has no enable_thinking)."""
-    r = run_job(small_demo_overrides(tmp_path / "run", assets, **{"data.chat_template_kwargs.enable_thinking": "false"}),
-                check=False)
+    r = run_job_here(small_demo_overrides(tmp_path / "run", assets, **{"data.chat_template_kwargs.enable_thinking": "false"}),
+                     check=False)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "data.chat_template_kwargs.enable_thinking: the chat template of" in r.stderr

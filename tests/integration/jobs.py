@@ -110,8 +110,11 @@ def run_job_here(overrides: list[str], *, config: Path = DEMO, check: bool = Tru
     line, more than a tiny job's steps. For tests whose subject is the job, not the process (its signals, kill -9,
     torchrun, the exit status the OS reports): those keep `run_job`. Torch runs on one thread here as a rank
     does under `run_job` (OMP_NUM_THREADS=1), so runs of either kind compare bit for bit; the thread count, the
-    log level, the signal handlers the job installs and the working folder are put back afterwards."""
+    log level, the signal handlers the job installs, the kernel choices it makes the process default and the
+    working folder are put back afterwards."""
     import torch
+
+    from megatron_vlm.kernels.registry import DEFAULT_REGISTRY
 
     entry = _entry_module()
     argv = ["--config", str(config)] + [x for o in overrides for x in ("--set", o)]
@@ -120,6 +123,7 @@ def run_job_here(overrides: list[str], *, config: Path = DEMO, check: bool = Tru
     handler.setFormatter(logging.Formatter("%(asctime)s [rank0] %(levelname)s %(message)s", datefmt="%H:%M:%S"))
     root, level, threads = logging.getLogger(), logging.getLogger().level, torch.get_num_threads()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    kernel_choices = dict(DEFAULT_REGISTRY.forced)  # the job applies its [kernels] section as the process default
     root.addHandler(handler)
     root.setLevel(logging.INFO)
     torch.set_num_threads(1)
@@ -138,6 +142,7 @@ def run_job_here(overrides: list[str], *, config: Path = DEMO, check: bool = Tru
         root.removeHandler(handler)
         root.setLevel(level)
         torch.set_num_threads(threads)
+        DEFAULT_REGISTRY.restore(kernel_choices)
         for s, h in handlers.items():
             signal.signal(s, h)
     r = subprocess.CompletedProcess(["pretrain_vlm.main", *argv], code, out.getvalue(), err.getvalue())

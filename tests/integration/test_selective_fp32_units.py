@@ -10,14 +10,8 @@ Nemotron-VL demo job with FSDP2 must train as the same job without FSDP2 units (
 block-wide checkpoint holds no hooks), row for row and export for export, and --check must count what it keeps."""
 from __future__ import annotations
 
-import contextlib
-import io
-
 import torch
-from jobs import REPO, load_safetensors_dir, read_metrics, small_demo_overrides
-
-from megatron_vlm.config import load_config
-from megatron_vlm.runner import run_job
+from jobs import REPO, load_safetensors_dir, read_metrics, run_job, small_demo_overrides
 
 CONFIG = REPO / "launch" / "configs" / "demo_nemotron_vl.toml"
 SETS = {"train.precision": '"bf16"', "train.activation_checkpointing": '"selective"', "train.eval_generate": "false",
@@ -26,14 +20,13 @@ SETS = {"train.precision": '"bf16"', "train.activation_checkpointing": '"selecti
 
 
 def _job(out, assets, **sets) -> tuple[int, str]:
-    cfg = load_config(CONFIG, small_demo_overrides(out, assets, **{**SETS, **sets}))
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = run_job(cfg)
-    return code, err.getvalue()
+    """One job in a process of its own: a bf16 FSDP2 job run before it in the same process (another test's, in the
+    same pytest worker) moved this one's grad norm in its last digits (6.634350776672363 vs 6.634349822998047)."""
+    r = run_job(small_demo_overrides(out, assets, **{**SETS, **sets}), config=CONFIG, check=False)
+    return r.returncode, r.stderr
 
 
-def test_selective_checkpointing_of_fp32_router_blocks_under_fsdp2(tmp_path, keep_signal_handlers):
+def test_selective_checkpointing_of_fp32_router_blocks_under_fsdp2(tmp_path):
     rows, exports = {}, {}
     for name, fsdp in (("fsdp2", '"auto"'), ("plain", "false")):
         code, err = _job(tmp_path / name, tmp_path / "assets", **{"parallel.fsdp": fsdp})

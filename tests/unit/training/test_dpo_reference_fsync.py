@@ -17,19 +17,7 @@ import torch
 
 from megatron_vlm.data.batch import IGNORE_INDEX
 from megatron_vlm.training.dpo.reference import REFERENCE_FILE, REFERENCE_PARTIAL_FILE, PrecomputedReference, ReferencePassStopped
-
-
-def _pack(pair_ids, lengths):
-    """A pack of pairs whose sequences have `lengths` tokens, the last two of each labelled."""
-    labels, cu = [], [0]
-    for n in lengths:
-        lab = torch.full((n,), IGNORE_INDEX)
-        lab[n - 3:n - 1] = torch.arange(2) + 5
-        labels.append(lab)
-        cu.append(cu[-1] + n)
-    lab = torch.cat(labels)[None]
-    return {"input_ids": torch.zeros_like(lab), "labels": lab, "cu_seqlens": torch.tensor(cu, dtype=torch.int32),
-            "pair_index": torch.tensor(pair_ids), "num_pairs": torch.tensor(len(pair_ids))}
+from tests.unit.training.test_dpo_reference import _pack
 
 
 class _Scorer(torch.nn.Module):

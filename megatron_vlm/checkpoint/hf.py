@@ -30,13 +30,14 @@ import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO, Optional, Union
+from typing import Optional, Union
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from megatron_vlm.durable import fsync_dir, fsync_tree, write_text_durably
 from megatron_vlm.finite import check_finite
 from megatron_vlm.models.common.lora import lora_modules, merged_state_dict
 from megatron_vlm.models.registry import family_for_args, get_family
@@ -473,58 +474,9 @@ def share_like_umask(folder: Path) -> None:
                 os.chmod(p, 0o666 & ~mask)
 
 
-def fsync_dir(path: Path) -> None:
-    """fsync a folder, so the names created / renamed in it are on disk."""
-    fd = os.open(str(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(root: Path) -> None:
-    """fsync every file under `root`, then every folder bottom-up (`root` last)."""
-    for dirpath, _, filenames in os.walk(str(root), topdown=False):
-        for name in filenames:
-            p = os.path.join(dirpath, name)
-            if not os.path.islink(p):
-                _fsync_file(p)
-        fsync_dir(Path(dirpath))
-
-
-def write_file_durably(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """Write the file `path` atomically and durably: `write(f)` fills a temporary sibling, which is fsynced, renamed
-    over `path`, and the folder fsynced.
-
-    A file read back as trusted at a later start (a marker, a table computed once) must never be found cut short or
-    missing after a crash of the host: until the rename the final name keeps its previous content (or stays absent),
-    and the folder's fsync puts the new name on disk. A failure while writing removes the temporary file and
-    re-raises."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
 def write_marker(folder: Path, name: str, text: str) -> None:
     """Write `folder/name` atomically and durably: temporary name, fsync, rename, fsync the folder."""
-    write_file_durably(folder / name, lambda f: f.write(text.encode()))
+    write_text_durably(folder / name, text)
 
 
 def replace_dir(tmp: Path, final: Path, old: Path, *, marker: str, marker_text: str,

@@ -48,8 +48,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from megatron_vlm.checkpoint.hf import describe_error, fsync_dir, replace_dir
+from megatron_vlm.checkpoint.hf import describe_error, replace_dir
 from megatron_vlm.checkpoint.layout import write_layout
+from megatron_vlm.durable import fsync_dir
 from megatron_vlm.finite import check_finite
 from megatron_vlm.parallel.master_weights import fp32_view
 

@@ -25,6 +25,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from megatron_vlm.durable import write_text_durably
+
 __all__ = ["BadRecord", "BadRecordError", "BadRecordLog", "CATEGORIES", "unexpected", "keep_planning_records",
            "merge_by_shard"]
 
@@ -188,13 +190,7 @@ class BadRecordLog:
             text = "\n".join(lines) + "\n"
         else:
             text = json.dumps(self.to_dict(), indent=2) + "\n"
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            tmp.write_text(text)
-            os.replace(tmp, path)
-        except OSError:  # a full disk: no half-written temporary file left in the run folder
-            tmp.unlink(missing_ok=True)
-            raise
+        write_text_durably(path, text)  # a full disk leaves no half-written temporary file in the run folder
         return path
 
 

@@ -62,6 +62,7 @@ from megatron_vlm.data.processing import estimate_length_and_class
 from megatron_vlm.data.processor import VLProcessor
 from megatron_vlm.data.worker_env import adopt_rank_state, rank_state
 from megatron_vlm.data.worker_start import exit_with_rank, worker_context
+from megatron_vlm.durable import write_text_durably
 from megatron_vlm.stop_signals import leave_stop_signals_to_the_rank
 
 __all__ = ["compute_lengths", "compute_lengths_and_classes", "compute_length_slice", "lengths_cache_key", "LengthEstimateError",
@@ -327,7 +328,6 @@ def compute_lengths_and_classes(source, proc: VLProcessor, *, max_frames: int, f
         bad_records.extend(bad)
     if cache_file is not None and rank == 0 and (cached is None or not np.array_equal(cached, table)):
         cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"lengths": table[:, 0].tolist(), "classes": table[:, 1].tolist(), "bad": bad}))
-        os.replace(tmp, cache_file)
+        write_text_durably(cache_file, json.dumps({"lengths": table[:, 0].tolist(), "classes": table[:, 1].tolist(),
+                                                   "bad": bad}))
     return table[:, 0].copy(), table[:, 1].copy()

@@ -28,17 +28,12 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from megatron_vlm.durable import write_text_durably
 from megatron_vlm.eval.resume import PARTIAL_DIR
 
 __all__ = ["write_eval_results", "results_table", "clear_eval_results"]
 
 _MAX_LISTED_BAD = 20
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def _fmt(v: Any) -> str:
@@ -95,11 +90,11 @@ def write_eval_results(run_dir: str | os.PathLike, results: list[dict], settings
     pred_dir = run_dir / "eval_predictions"
     pred_dir.mkdir(exist_ok=True)
     for r in results:
-        _atomic_write(pred_dir / f"{r['name']}.jsonl", "".join(json.dumps(row, default=str) + "\n" for row in r["rows"]))
+        write_text_durably(pred_dir / f"{r['name']}.jsonl", "".join(json.dumps(row, default=str) + "\n" for row in r["rows"]))
     summary = {"settings": settings,
                "benchmarks": {r["name"]: {k: v for k, v in r.items() if k not in ("rows", "name")} for r in results}}
-    _atomic_write(run_dir / "eval_results.md", results_table(results, settings))
+    write_text_durably(run_dir / "eval_results.md", results_table(results, settings))
     path = run_dir / "eval_results.json"
-    _atomic_write(path, json.dumps(summary, indent=2, default=str) + "\n")
+    write_text_durably(path, json.dumps(summary, indent=2, default=str) + "\n")
     shutil.rmtree(run_dir / PARTIAL_DIR, ignore_errors=True)  # complete: nothing of it is kept for a later job
     return path

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_vlm.data.data_files import file_signature
+from megatron_vlm.durable import write_text_durably
 from megatron_vlm.parallel.collectives import all_gather_objects
 
 __all__ = ["PARTIAL_DIR", "folder_signature", "media_signatures", "benchmark_fingerprint", "evaluate_benchmarks_kept"]
@@ -103,9 +104,7 @@ def _load(run_dir: str | os.PathLike, name: str, fingerprint: str) -> Optional[d
 def _save(run_dir: str | os.PathLike, name: str, fingerprint: str, result: dict) -> None:
     path = _path(run_dir, name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps({"fingerprint": fingerprint, "result": result}, default=str))
-    os.replace(tmp, path)
+    write_text_durably(path, json.dumps({"fingerprint": fingerprint, "result": result}, default=str))
 
 
 def evaluate_benchmarks_kept(run_dir: str | os.PathLike, names: Sequence[str], fingerprints: Sequence[str],

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import IO, Optional
 
 from megatron_vlm.checkpoint.manager import gather_errors
+from megatron_vlm.durable import write_text_durably
 from megatron_vlm.errors import ConfigError
 
 log = logging.getLogger("megatron_vlm")
@@ -123,12 +124,9 @@ class _CsvSink:
         kept = [rows[0]] + [r for r in rows[1:] if not later(r)]
         dropped = len(rows) - len(kept)
         if dropped:
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
-            with tmp.open("w", newline="") as f:
-                csv.writer(f).writerows(kept)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            buf = io.StringIO(newline="")
+            csv.writer(buf).writerows(kept)
+            write_text_durably(self.path, buf.getvalue())
         return dropped
 
     def steps(self) -> set[float]:

@@ -33,7 +33,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from megatron_vlm.checkpoint.hf import write_file_durably
+from megatron_vlm.durable import write_file_durably
 from megatron_vlm.host_copies import on_host
 from megatron_vlm.models.common.lora import lora_disabled
 from megatron_vlm.models.common.parallel_plan import copy_input_casts

@@ -47,19 +47,17 @@ def test_a_summary_that_cannot_be_written_leaves_no_temporary_file(tmp_path, mon
     """On a full disk the summary's temporary file was left behind (an empty `bad_records.json.tmp` in the run
     folder, seen on a full tmpfs); the error is still raised to the caller, which logs it."""
     import errno
-    from pathlib import Path
+    import os
 
     import pytest
 
     log = BadRecordLog()
     log.add("train.jsonl", 7, "missing_image", "no such file: x.png")
-    real = Path.write_text
 
-    def full(self, text, *a, **k):
-        real(self, "", *a, **k)  # the file is created, its content does not fit
+    def full(fd):  # the file is created and written; its blocks do not fit when they are flushed
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(Path, "write_text", full)
+    monkeypatch.setattr(os, "fsync", full)
     with pytest.raises(OSError):
         log.write_summary(tmp_path / "bad_records.json")
     monkeypatch.undo()

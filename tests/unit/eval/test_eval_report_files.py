@@ -40,14 +40,14 @@ def test_rerun_into_the_same_folder_leaves_no_predictions_of_the_first(tmp_path)
 
 def test_writing_stopped_part_way_leaves_no_results_file(tmp_path, monkeypatch):
     write_eval_results(tmp_path, [_result("X", 1.0)], _SETTINGS)  # a previous run's complete results
-    real = report._atomic_write
+    real = report.write_text_durably
 
     def dies_on_predictions(path, text):
         if path.parent.name == "eval_predictions":
             raise KeyboardInterrupt  # the job killed while writing
         real(path, text)
 
-    monkeypatch.setattr(report, "_atomic_write", dies_on_predictions)
+    monkeypatch.setattr(report, "write_text_durably", dies_on_predictions)
     with pytest.raises(KeyboardInterrupt):
         write_eval_results(tmp_path, [_result("X", 0.0)], _SETTINGS)
     # neither the new summary over the old predictions nor the old summary beside a half-written run

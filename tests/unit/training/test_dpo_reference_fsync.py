@@ -10,13 +10,13 @@ the middle of a write leaves neither a file under the final name nor the tempora
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_vlm.data.batch import IGNORE_INDEX
 from megatron_vlm.training.dpo.reference import REFERENCE_FILE, REFERENCE_PARTIAL_FILE, PrecomputedReference, ReferencePassStopped
+from tests.unit.durable_io import assert_durable, record_io
 from tests.unit.training.test_dpo_reference import _pack
 
 
@@ -34,51 +34,22 @@ def _packs():
     return [_pack([2, 0], [5, 6, 4, 7]), _pack([1], [6, 5])]
 
 
-def _record_io(monkeypatch) -> list[tuple[str, str, str]]:
-    """Record every fsync (with the path its descriptor names) and every rename, in order."""
-    events: list[tuple[str, str, str]] = []
-    real_fsync, real_replace = os.fsync, os.replace
-
-    def fsync(fd):
-        events.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}"), ""))
-        return real_fsync(fd)
-
-    def replace(src, dst, *a, **k):
-        events.append(("replace", os.path.realpath(src), os.path.realpath(dst)))
-        return real_replace(src, dst, *a, **k)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
-    return events
-
-
-def _assert_durable(events, final: Path) -> None:
-    final, folder = os.path.realpath(final), os.path.realpath(final.parent)
-    renames = [i for i, e in enumerate(events) if e[0] == "replace" and e[2] == final]
-    assert len(renames) == 1, f"{final} is not put in place by one rename: {events}"
-    i = renames[0]
-    tmp = events[i][1]
-    assert tmp != final and os.path.dirname(tmp) == folder  # a sibling: the rename is atomic
-    assert ("fsync", tmp, "") in events[:i], f"the temporary file is not fsynced before its rename: {events}"
-    assert ("fsync", folder, "") in events[i + 1:], f"the folder is not fsynced after the rename: {events}"
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="maps descriptors to paths through /proc")
 def test_the_complete_reference_file_is_fsynced_renamed_and_its_folder_fsynced(tmp_path, monkeypatch):
-    events = _record_io(monkeypatch)
+    events = record_io(monkeypatch)
     PrecomputedReference.load_or_compute(tmp_path, _Scorer(), {"train": _Loader(_packs())}, device=torch.device("cpu"),
                                          copies=1, is_main=True, model_path="m")
-    _assert_durable(events, tmp_path / REFERENCE_FILE)
+    assert_durable(events, tmp_path / REFERENCE_FILE)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="maps descriptors to paths through /proc")
 def test_the_partial_reference_file_of_a_stopped_pass_is_written_durably(tmp_path, monkeypatch):
-    events = _record_io(monkeypatch)
+    events = record_io(monkeypatch)
     with pytest.raises(ReferencePassStopped):
         PrecomputedReference.load_or_compute(tmp_path, _Scorer(), {"train": _Loader(_packs())},
                                              device=torch.device("cpu"), copies=1, is_main=True, model_path="m",
                                              stop=lambda: True)
-    _assert_durable(events, tmp_path / REFERENCE_PARTIAL_FILE)
+    assert_durable(events, tmp_path / REFERENCE_PARTIAL_FILE)
 
 
 def test_a_failure_while_writing_leaves_no_file_under_the_final_name_and_no_temporary(tmp_path, monkeypatch):

@@ -1,9 +1,7 @@
 """Helpers to run whole jobs through launch/pretrain_vlm.py (one process or torchrun) in tests."""
 from __future__ import annotations
 
-import contextlib
 import csv
-import importlib.util
 import io
 import logging
 import os
@@ -11,8 +9,10 @@ import signal
 import socket
 import subprocess
 import sys
-import traceback
 from pathlib import Path
+
+from tests.unit.launch_in_process import capture_main
+from tests.unit.launch_scripts import import_launch_script
 
 REPO = Path(__file__).resolve().parents[2]
 ENTRY = REPO / "launch" / "pretrain_vlm.py"
@@ -91,16 +91,6 @@ def run_job(overrides: list[str], *, nproc: int = 1, env: dict | None = None, co
     return r
 
 
-def _entry_module():
-    """launch/pretrain_vlm.py as the module `pretrain_vlm` (the one a test that imports it by name gets too)."""
-    if "pretrain_vlm" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("pretrain_vlm", ENTRY)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["pretrain_vlm"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["pretrain_vlm"]
-
-
 def run_job_here(overrides: list[str], *, config: Path = DEMO, check: bool = True) -> subprocess.CompletedProcess:
     """`run_job` with one process, run in this one: the launcher's `main` with the same arguments, its exit code
     (a `SystemExit`'s code; 1 and the traceback on stderr for an uncaught exception, as `runner.run_entry` does) and
@@ -116,9 +106,9 @@ def run_job_here(overrides: list[str], *, config: Path = DEMO, check: bool = Tru
 
     from megatron_vlm.kernels.registry import DEFAULT_REGISTRY
 
-    entry = _entry_module()
+    entry = import_launch_script("pretrain_vlm")
     argv = ["--config", str(config)] + [x for o in overrides for x in ("--set", o)]
-    out, err = io.StringIO(), io.StringIO()
+    err = io.StringIO()  # stderr and the job's log records, in the order written
     handler = logging.StreamHandler(err)  # present before `main`, so that its logging.basicConfig adds none
     handler.setFormatter(logging.Formatter("%(asctime)s [rank0] %(levelname)s %(message)s", datefmt="%H:%M:%S"))
     root, level, threads = logging.getLogger(), logging.getLogger().level, torch.get_num_threads()
@@ -128,16 +118,7 @@ def run_job_here(overrides: list[str], *, config: Path = DEMO, check: bool = Tru
     root.setLevel(logging.INFO)
     torch.set_num_threads(1)
     try:
-        with contextlib.chdir(REPO), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = entry.main(argv)
-            except SystemExit as e:
-                if isinstance(e.code, str):
-                    print(e.code, file=sys.stderr)
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            except Exception:  # noqa: BLE001 - a crash, reported as the process would report it
-                traceback.print_exc()
-                code = 1
+        ran = capture_main(entry.main, argv, crash_exits_1=True, err=err)
     finally:
         root.removeHandler(handler)
         root.setLevel(level)
@@ -145,7 +126,7 @@ def run_job_here(overrides: list[str], *, config: Path = DEMO, check: bool = Tru
         DEFAULT_REGISTRY.restore(kernel_choices)
         for s, h in handlers.items():
             signal.signal(s, h)
-    r = subprocess.CompletedProcess(["pretrain_vlm.main", *argv], code, out.getvalue(), err.getvalue())
+    r = subprocess.CompletedProcess(["pretrain_vlm.main", *argv], ran.returncode, ran.stdout, ran.stderr)
     if check and r.returncode != 0:
         raise AssertionError(f"job failed ({r.returncode}):\nSTDOUT:\n{r.stdout[-4000:]}\nSTDERR:\n{r.stderr[-8000:]}")
     return r

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -41,6 +43,33 @@ def _exit_code(e: SystemExit, err: io.StringIO) -> int:
     return 1
 
 
+def capture_main(main: Callable[[list[str]], Optional[int]], argv: list[str], *, cwd: Optional[Path] = REPO,
+                 crash_exits_1: bool = False, err: Optional[io.StringIO] = None) -> LaunchResult:
+    """`main(argv)` in `cwd` (the repository root by default; None: where the test is), its stdout and stderr
+    captured and its exit read as the process's: the return value, a SystemExit's status. Another exception
+    propagates, or with `crash_exits_1` ends as a process would: the traceback on stderr, status 1 (a whole job
+    run here, whose crash is what the test looks at). `err`: the buffer for stderr (one that a log handler writes
+    into too, so that both come back in the order written). The working folder is put back."""
+    out, err = io.StringIO(), err if err is not None else io.StringIO()
+    here = os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(argv)
+            except SystemExit as e:
+                code = _exit_code(e, err)
+            except Exception:  # noqa: BLE001 - a crash, reported as the process would report it
+                if not crash_exits_1:
+                    raise
+                traceback.print_exc()
+                code = 1
+    finally:
+        os.chdir(here)
+    return LaunchResult(0 if code is None else code, out.getvalue(), err.getvalue())
+
+
 def _no_job(cfg, **kwargs):
     raise AssertionError(f"the launcher would start a {cfg.train.mode!r} job: the config was not refused")
 
@@ -53,19 +82,9 @@ def run_launcher(script: str, argv: list[Union[str, Path]], cwd: Optional[Path] 
     traceback); so does the AssertionError of a command line that would start a job."""
     pretrain = import_launch_script("pretrain_vlm")  # launch/evaluate.py runs pretrain_vlm's main: one stub for both
     module = import_launch_script(script)
-    out, err = io.StringIO(), io.StringIO()
-    here = os.getcwd()
     real_run_job = pretrain.run_job
     pretrain.run_job = _no_job
     try:
-        if cwd is not None:
-            os.chdir(cwd)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = module.main([str(a) for a in argv])
-            except SystemExit as e:
-                code = _exit_code(e, err)
+        return capture_main(module.main, [str(a) for a in argv], cwd=cwd)
     finally:
         pretrain.run_job = real_run_job
-        os.chdir(here)
-    return LaunchResult(code, out.getvalue(), err.getvalue())

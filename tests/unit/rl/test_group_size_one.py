@@ -15,17 +15,25 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_vlm.inference.engine import RolloutPrompt, RolloutResult, RolloutSample
+from megatron_vlm.inference.engine import RolloutPrompt
 from megatron_vlm.rl.advantages import compute_group_advantages
 from megatron_vlm.rl.algorithms.advantage_estimators import ADVANTAGE_ESTIMATORS, min_group_size
 from megatron_vlm.rl.critic.ppo_critic import Critic
 from megatron_vlm.rl.critic.value_model import ValueModel
-from megatron_vlm.rl.grpo_step import GRPOStep
-from megatron_vlm.rl.prompts.dataset import PromptSample
+from megatron_vlm.rl.data_shards import DataShards
 from megatron_vlm.rl.rewards.config import ExactMatchRewardConfig
 from megatron_vlm.rl.rounds import sampling_params
-from megatron_vlm.training.optim import OptimState
 from tests.fixtures.rl_config import rl_config
+from tests.unit.rl.bigram_loop import (
+    NEW,
+    VOCAB,
+    BigramPolicy,
+    SamplingEngine,
+    bigram_grpo_step,
+    prompts,
+    spy_on_update,
+    target_prob,
+)
 from tests.unit.rl.test_ppo_gae_value_loss import gae_reference
 
 GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
@@ -98,82 +106,6 @@ def test_groups_of_one_under_gae():
 
 
 # ------------------------------------------------------------------ a PPO step with G = 1
-VOCAB, TARGET, NEW = 7, 3, 3
-
-
-class BigramPolicy(nn.Module):
-    """Each position's next-token distribution is a function of its token alone (the `TokenLogprobModel` contract:
-    log-probs of the pre-shifted labels); the engine below samples from the same distribution."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, 8)
-        self.head = nn.Linear(8, VOCAB)
-
-    def dist(self, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        return torch.log_softmax(self.head(self.embed(ids)) / temperature, -1)
-
-    def forward(self, batch, *, temperature: float = 1.0, return_entropy: bool = False, prefix_segments=None):
-        """`prefix_segments`: taken (a bigram reads a shared prompt's pack as a plain one), so that prompt sharing
-        would be on if the step had two completions of a prompt to share it."""
-        labels = batch["labels"].reshape(-1)
-        sel = labels != -100
-        lp = self.dist(batch["input_ids"].reshape(-1), temperature)[sel]
-        logp = lp.gather(-1, labels[sel][:, None]).squeeze(-1)
-        return (logp, -(lp.exp() * lp).sum(-1)) if return_entropy else logp
-
-
-class SamplingEngine:
-    """Draws `params.n` completions of NEW tokens per prompt from the policy, with its log-probs."""
-
-    def __init__(self, policy: BigramPolicy):
-        self.policy, self.calls = policy, []
-
-    def load_weights(self, weights, version):
-        pass
-
-    def release_memory(self):
-        pass
-
-    @torch.no_grad()
-    def generate(self, prompts, params, generator=None):
-        self.calls.append(params.n)
-        out = []
-        for pi, p in enumerate(prompts):
-            for j in range(params.n):
-                prev, ids, lps = p.input_ids[-1:], [], []
-                for _ in range(params.max_new_tokens):
-                    lp = self.policy.dist(prev, params.temperature)[0]
-                    tok = torch.multinomial(lp.exp(), 1, generator=generator)
-                    ids.append(int(tok))
-                    lps.append(float(lp[tok]))
-                    prev = tok
-                out.append(RolloutSample(prompt_index=pi, sample_index=j, token_ids=torch.tensor(ids),
-                                         logprobs=torch.tensor(lps), text=" ".join(map(str, ids)), finish_reason="length",
-                                         prompt_length=int(p.input_ids.numel())))
-        return RolloutResult(samples=out)
-
-
-class Encoder:
-    skipped = 0
-
-    def encode(self, s: PromptSample) -> RolloutPrompt:
-        i = int(s.prompt_id[1:])
-        return RolloutPrompt(input_ids=torch.tensor([1 + i % (VOCAB - 1), 1 + (i + 1) % (VOCAB - 1)]))
-
-
-class TargetReward:
-    """The fraction of the completion's tokens that are TARGET."""
-    labels = ["exact_match"]
-
-    def metrics(self):
-        return {}
-
-    def score(self, texts, answers, prompts, metadata):
-        total = [sum(int(t) == TARGET for t in text.split()) / NEW for text in texts]
-        return NS(total=total, per_reward={"exact_match": total})
-
-
 class TinyBackbone(nn.Module):
     """A family model's critic-side contract: `lm_head` and `forward(..., return_hidden=True)` -> hidden states."""
 
@@ -186,43 +118,18 @@ class TinyBackbone(nn.Module):
         return torch.tanh(self.embed(input_ids))
 
 
-def _pool(n: int) -> list[PromptSample]:
-    return [PromptSample(f"p{i}", [], "a", f"q{i}") for i in range(n)]
-
-
 def _ppo(**kw):
     torch.manual_seed(0)
     keys = dict(advantage="gae", group_size=1, prompts_per_step=8, max_new_tokens=NEW, rewards=[ExactMatchRewardConfig()],
                 loss_agg="token-mean", advantages__lam=0.95)
     rl = rl_config(validate=True, **{**keys, **kw})
     policy = BigramPolicy()
-    opt = torch.optim.Adam(policy.parameters(), lr=0.05)
-    ctx = NS(env=NS(device=torch.device("cpu"), rank=0, world_size=1),
-             cfg=NS(data=NS(max_tokens_per_pack=64), train=NS(seed=3, max_grad_norm=0.0)), to_device=lambda b: b)
-    bundle = NS(dims=NS(dp_size=1), wrapper=policy, trainable_params=list(policy.parameters()), moe_balancer=None,
-                model=policy)
     values = ValueModel(TinyBackbone())
-    from megatron_vlm.rl.data_shards import DataShards
-
     critic = Critic(values, torch.optim.Adam(values.parameters(), lr=0.05), rl,
                     shards=DataShards(rank=0, world=1, copies=1, device=torch.device("cpu")), max_grad_norm=0.0, seed=3)
     engine = SamplingEngine(policy)
-    grpo = GRPOStep(ctx, bundle, OptimState(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)), rl, engine,
-                    Encoder(), TargetReward(), critic=critic)
-    seen: dict = {}
-    update = grpo.policy.update
-
-    def spy(step, samples, dummy, **kw):
-        seen["samples"] = list(samples)
-        return update(step, samples, dummy, **kw)
-
-    grpo.policy.update = spy
-    return grpo, policy, engine, seen
-
-
-def _target_prob(policy: BigramPolicy) -> float:
-    with torch.no_grad():
-        return float(policy.dist(torch.arange(VOCAB)).exp()[:, TARGET].mean())
+    grpo = bigram_grpo_step(rl, policy, engine=engine, critic=critic)
+    return grpo, policy, engine, spy_on_update(grpo)
 
 
 def test_a_ppo_step_with_one_completion_per_prompt_trains_on_the_critics_gae():
@@ -230,7 +137,7 @@ def test_a_ppo_step_with_one_completion_per_prompt_trains_on_the_critics_gae():
     step's tokens) computed from the critic's values and the reward on the last token, as the paper's sum of TD
     residuals gives them; no group metric that would be constant with groups of one is logged."""
     grpo, _, engine, seen = _ppo()
-    pool = _pool(8)
+    pool = prompts(8)
     m = grpo.run(0, pool, prompt_pool=pool)
     assert engine.calls == [1] and m["rollout/prompts"] == 8.0
     samples = seen["samples"]
@@ -257,11 +164,11 @@ def test_ppo_with_one_completion_per_prompt_learns_the_bandit():
     """30 steps of 8 prompts x 1 completion: the policy's probability of the rewarded token and the reward rise, and
     the critic's values follow the returns (explained variance up from ~0)."""
     grpo, policy, _, _ = _ppo()
-    pool = _pool(8)
-    before = _target_prob(policy)
+    pool = prompts(8)
+    before = target_prob(policy)
     rows = [grpo.run(step, pool, prompt_pool=pool) for step in range(30)]
     reward = [r["reward/mean"] for r in rows]
-    assert _target_prob(policy) > before + 0.3, (before, _target_prob(policy))
+    assert target_prob(policy) > before + 0.3, (before, target_prob(policy))
     assert sum(reward[-5:]) / 5 > sum(reward[:5]) / 5 + 0.3, reward
     assert rows[-1]["critic/values_old_mean"] > 0.3 > rows[0]["critic/values_old_mean"]
 

@@ -21,6 +21,7 @@ import torch
 from megatron_vlm.rl.algorithms.advantage_estimators import kl_in_reward
 from megatron_vlm.rl.batch_advantages import BatchAdvantages
 from tests.fixtures.rl_config import rl_config
+from tests.unit.rl.bigram_loop import prompts
 from tests.unit.rl.test_reinforce_plus_plus import BASE, GRPO_DEMO, ONE, REPO, RPP, _batch, _loop, _samples
 
 
@@ -97,7 +98,7 @@ def test_the_update_takes_the_kl_out_of_the_loss_where_it_is_in_the_reward(estim
     group_size = 2 if estimator == BASE else 1
     grpo, _, seen = _loop(estimator, group_size)
     assert grpo.policy.loss_spec.kl_coef == in_loss
-    pool = rpp._pool(8 // group_size)
+    pool = prompts(8 // group_size)
     for step in range(3):
         row = grpo.run(step, pool, prompt_pool=pool)
     samples = seen["samples"]

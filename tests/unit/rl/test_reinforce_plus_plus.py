@@ -14,7 +14,6 @@
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import subprocess
 import sys
@@ -32,11 +31,9 @@ from megatron_vlm.rl.algorithms.advantage_estimators import ADVANTAGE_ESTIMATORS
 from megatron_vlm.rl.batch_advantages import BatchAdvantages
 from megatron_vlm.rl.batching import TrainSample
 from megatron_vlm.rl.data_shards import DataShards
-from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.rewards.config import ExactMatchRewardConfig
-from megatron_vlm.training.optim import OptimState
 from tests.fixtures.rl_config import rl_config
-from tests.unit.rl.test_group_size_one import NEW, BigramPolicy, Encoder, SamplingEngine, TargetReward, _pool, _target_prob
+from tests.unit.rl.bigram_loop import NEW, BigramPolicy, FrozenReference, bigram_grpo_step, prompts, spy_on_update, target_prob
 
 REPO = Path(__file__).resolve().parents[3]
 GRPO_DEMO = REPO / "launch" / "configs" / "demo_grpo.toml"
@@ -260,46 +257,14 @@ def test_the_entry_point_exits_2_naming_the_key():
 
 
 # ------------------------------------------------------------------ a tiny GRPO loop
-class FrozenReference:
-    """The reference policy: a frozen copy of the starting bigram (the `ReferencePolicy` calls the update makes)."""
-    collective = False
-
-    def __init__(self, policy: BigramPolicy):
-        self.model = BigramPolicy()
-        self.model.load_state_dict(policy.state_dict())
-        self.model.requires_grad_(False)
-
-    @contextlib.contextmanager
-    def on_device(self):
-        yield self
-
-    @torch.no_grad()
-    def token_logprobs(self, batch):
-        return self.model(batch)
-
-
 def _loop(estimator: str, group_size: int, kl_coef: float = 0.05):
     torch.manual_seed(0)
     rl = rl_config(validate=True, advantage=estimator, group_size=group_size, prompts_per_step=8 // group_size,
                    max_new_tokens=NEW, rewards=[ExactMatchRewardConfig()], loss_agg="token-mean", kl_coef=kl_coef,
                    kl_estimator="k1", recompute_logprobs=True)
     policy = BigramPolicy()
-    opt = torch.optim.Adam(policy.parameters(), lr=0.05)
-    ctx = NS(env=NS(device=torch.device("cpu"), rank=0, world_size=1),
-             cfg=NS(data=NS(max_tokens_per_pack=64), train=NS(seed=3, max_grad_norm=0.0)), to_device=lambda b: b)
-    bundle = NS(dims=NS(dp_size=1), wrapper=policy, trainable_params=list(policy.parameters()), moe_balancer=None,
-                model=policy)
-    grpo = GRPOStep(ctx, bundle, OptimState(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)), rl,
-                    SamplingEngine(policy), Encoder(), TargetReward(), reference=FrozenReference(policy))
-    seen: dict = {}
-    update = grpo.policy.update
-
-    def spy(step, samples, dummy, **kw):
-        seen["samples"] = list(samples)
-        return update(step, samples, dummy, **kw)
-
-    grpo.policy.update = spy
-    return grpo, policy, seen
+    grpo = bigram_grpo_step(rl, policy, reference=FrozenReference(policy))
+    return grpo, policy, spy_on_update(grpo)
 
 
 @pytest.mark.parametrize("estimator, group_size", [(RPP, 1), (BASE, 2)])
@@ -308,8 +273,8 @@ def test_a_tiny_grpo_loop_trains_with_the_estimator(estimator, group_size):
     # reinforce_plus_plus: the penalty is in the returns; the baseline variant: in the loss, as the paper
     assert grpo.policy.loss_spec.kl_coef == (0.0 if estimator == RPP else 0.05)
     assert not grpo.policy.skip_zero_adv
-    pool = _pool(8 // group_size)
-    before = _target_prob(policy)
+    pool = prompts(8 // group_size)
+    before = target_prob(policy)
     rows = []
     for step in range(25):
         rows.append(grpo.run(step, pool, prompt_pool=pool))
@@ -329,7 +294,7 @@ def test_a_tiny_grpo_loop_trains_with_the_estimator(estimator, group_size):
     assert all(r["advantage/std"] == pytest.approx(1.0, rel=1e-3) or r["advantage/std"] == 0.0 for r in rows)
     assert rows[0]["advantage/std"] == pytest.approx(1.0, rel=1e-3)
     assert ("advantage/kl_in_reward" in rows[-1]) == (estimator == RPP)
-    assert _target_prob(policy) > before + 0.2, (before, _target_prob(policy))
+    assert target_prob(policy) > before + 0.2, (before, target_prob(policy))
 
 
 @pytest.mark.parametrize("estimator", [RPP, BASE])

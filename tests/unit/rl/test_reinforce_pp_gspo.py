@@ -115,30 +115,20 @@ def test_a_tiny_grpo_loop_trains_with_reinforce_pp_and_gspo():
     the loss takes the advantages (one per sequence: it raises otherwise), the KL stays a loss term, and the policy
     learns the rewarded token."""
     import math
-    from types import SimpleNamespace as NS
 
-    from megatron_vlm.rl.grpo_step import GRPOStep
     from megatron_vlm.rl.rewards.config import ExactMatchRewardConfig
-    from megatron_vlm.training.optim import OptimState
-    from tests.unit.rl.test_group_size_one import NEW, BigramPolicy, Encoder, SamplingEngine, TargetReward, _pool, _target_prob
-    from tests.unit.rl.test_reinforce_plus_plus import FrozenReference
+    from tests.unit.rl.bigram_loop import NEW, BigramPolicy, FrozenReference, bigram_grpo_step, prompts, target_prob
 
     torch.manual_seed(0)
     rl = rl_config(validate=True, advantage=RPP, policy_loss="gspo", group_size=1, prompts_per_step=8,
                    max_new_tokens=NEW, rewards=[ExactMatchRewardConfig()], loss_agg="seq-mean", kl_coef=0.05,
                    kl_estimator="k1", recompute_logprobs=True, advantages__kl_in_reward=False)
     policy = BigramPolicy()
-    opt = torch.optim.Adam(policy.parameters(), lr=0.05)
-    ctx = NS(env=NS(device=torch.device("cpu"), rank=0, world_size=1),
-             cfg=NS(data=NS(max_tokens_per_pack=64), train=NS(seed=3, max_grad_norm=0.0)), to_device=lambda b: b)
-    bundle = NS(dims=NS(dp_size=1), wrapper=policy, trainable_params=list(policy.parameters()), moe_balancer=None,
-                model=policy)
-    grpo = GRPOStep(ctx, bundle, OptimState(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)), rl,
-                    SamplingEngine(policy), Encoder(), TargetReward(), reference=FrozenReference(policy))
+    grpo = bigram_grpo_step(rl, policy, reference=FrozenReference(policy))
     assert grpo.policy.loss_spec.kl_coef == 0.05 and grpo.policy.loss_spec.variant == "gspo"
-    pool = _pool(8)
-    before = _target_prob(policy)
+    pool = prompts(8)
+    before = target_prob(policy)
     rows = [grpo.run(step, pool, prompt_pool=pool) for step in range(6)]
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["actor/kl"]) for r in rows)
     assert "advantage/kl_in_reward" not in rows[-1]
-    assert _target_prob(policy) > before + 0.2, (before, _target_prob(policy))
+    assert target_prob(policy) > before + 0.2, (before, target_prob(policy))

@@ -131,9 +131,13 @@ class RLRolloutConfig:
     temperature: float = 1.0
     """Sampling temperature of rollouts; the training log-probs use the same temperature."""
     top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of tokens whose probability reaches rollout.top_p (1 = off)."""
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches rollout.top_p (1 = off). The
+    behaviour log-probs stay those of the whole distribution (built-in engine); vLLM reports the truncated one's, so
+    with rollout_backend = "vllm" it needs recompute_logprobs = true and is refused with loss.rollout_correction and
+    the asynchronous decoupled loss (docs/vllm.md)."""
     top_k: int = 0
-    """Keep only the k most likely tokens when sampling, and any tied with the k-th, as transformers and vLLM do (0 = off)."""
+    """Keep only the k most likely tokens when sampling, and any tied with the k-th, as transformers and vLLM do (0 =
+    off). With rollout_backend = "vllm": as rollout.top_p."""
     max_new_tokens: int = 1024
     """Generation budget per completion; longer completions are cut (and count as truncated)."""
     stop: list[str] = field(default_factory=list)
@@ -835,6 +839,18 @@ class RLConfig:
                               f"{truncated[0]}-truncated distribution, not of the policy the update scores; set "
                               "recompute_logprobs = true (old log-probs from the training forward) or leave "
                               f"rollout.{truncated[0]} at its default")
+        # the loss terms that divide by the rollout's log-probs even with recompute_logprobs: each token's weight would
+        # carry the kept mass (1 / its share), which the built-in engine's whole-distribution log-probs do not
+        behaviour_terms = [what for what, on in (
+            (f"loss.rollout_correction = {self.loss.rollout_correction!r} (pi_old / pi_rollout)",
+             self.loss.rollout_correction != "none"),
+            ("the decoupled loss of asynchronous.max_head_offpolicyness > 0 (pi_prox / pi_behav)",
+             self.allocation is not None and self.asynchronous.max_head_offpolicyness > 0)) if on]
+        if self.rollout_backend == "vllm" and truncated and behaviour_terms:
+            raise ConfigError(f"rollout.{truncated[0]}: with rollout_backend = 'vllm', vLLM's log-probs are of the "
+                              f"{truncated[0]}-truncated distribution (higher than the whole one's by -log of the kept "
+                              f"mass), and {behaviour_terms[0]} weighs every token by them, unlike the built-in "
+                              f"engine's; leave rollout.{truncated[0]} at its default or use rollout_backend = 'builtin'")
 
     def _validate_groups(self) -> None:
         """`batch.group_size = 1`: only for an estimator whose baseline is not the prompt's group (the registry's

@@ -557,10 +557,11 @@ class VLLMConfig:
     gpu_memory_utilization: float = 0.5
     """Fraction of the device memory vLLM may take for weights + KV cache (CUDA only; in (0, 1]).
     Colocated with training (synchronous GRPO): leave room for the trainer. On the CPU the KV cache is
-    sized by `vllm.cpu_kv_cache_gib` instead and this key is not read."""
+    sized by `vllm.cpu_kv_cache_gib` instead: set there, this key is refused when the engine starts (exit 2)."""
     cpu_kv_cache_gib: float = 1.0
     """CPU builds of vLLM: KV-cache size in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE, an integer >= 1 there:
-    rounded up; this key sets it, replacing a value already in the environment). Not read on CUDA."""
+    rounded up; this key sets it, replacing a value already in the environment). Set on another device, refused
+    when the engine starts (exit 2)."""
     enforce_eager: bool = False
     """Run the model eagerly (no torch.compile / CUDA graphs): slower decoding, faster start. The CPU
     build always gets eager mode here (its compile step takes minutes on small machines)."""
@@ -602,6 +603,16 @@ class VLLMConfig:
         """Why this config cannot run on a `device_type` device, naming the key; None when it can."""
         if self.sleep_mode and device_type != "cuda":
             return f"rl.vllm.sleep_mode: vLLM's sleep mode needs CUDA (this job runs on {device_type}); set it to false"
+        # each device sizes the engine's memory from its own key (inference/vllm_engine.py): the other one would do nothing
+        defaults = VLLMConfig()
+        if device_type != "cuda" and self.gpu_memory_utilization != defaults.gpu_memory_utilization:
+            return (f"rl.vllm.gpu_memory_utilization: read on CUDA only (this job runs on {device_type}"
+                    + (", where rl.vllm.cpu_kv_cache_gib sizes the KV cache" if device_type == "cpu" else "")
+                    + "); remove it")
+        if device_type != "cpu" and self.cpu_kv_cache_gib != defaults.cpu_kv_cache_gib:
+            return (f"rl.vllm.cpu_kv_cache_gib: read by vLLM's CPU build only (this job runs on {device_type}"
+                    + (", where rl.vllm.gpu_memory_utilization sizes the engine" if device_type == "cuda" else "")
+                    + "); remove it")
         return None
 
 

@@ -87,8 +87,9 @@ def filter_logits(scaled: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0) -
         drop |= sorted_logits < sorted_logits[:, vocab - top_k:vocab - top_k + 1]
     if top_p < 1.0:
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        # the tail before a token holds at most 1 - top_p (vLLM's float32 1 - p): the mass from it up reaches top_p
-        drop |= probs.cumsum(dim=-1) <= 1 - torch.tensor(top_p, dtype=probs.dtype)
+        # dropped while the tail up to it holds at most 1 - top_p: vLLM's threshold, 1 - float32(top_p) (compared in
+        # float32, as a Python number is); the mass from the first kept token up reaches top_p
+        drop |= probs.cumsum(dim=-1) <= 1.0 - float(torch.tensor(top_p, dtype=torch.float32))
     drop[:, -1] = False
     mask = torch.zeros_like(drop).scatter_(-1, order, drop)
     return scaled.masked_fill(mask, float("-inf"))

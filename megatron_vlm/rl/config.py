@@ -843,15 +843,10 @@ class RLConfig:
                                   f"sampling temperature) with rollout_backend = 'vllm'; set it to >= {VLLM_MIN_TEMPERATURE}"
                                   + (" or 0 (greedy)" if key == "eval.temperature" else ""))
         truncated = [k for k, on in (("top_p", self.rollout.top_p < 1), ("top_k", self.rollout.top_k > 0)) if on]
-        if self.rollout_backend == "vllm" and truncated and not self.recompute_logprobs:
-            # vLLM reports log-probs of the truncated distribution it drew from (processed_logprobs); the training
-            # forward and the built-in engine use the whole one: as old log-probs they would bias every ratio
-            raise ConfigError(f"rollout.{truncated[0]}: with rollout_backend = 'vllm', vLLM's log-probs are of the "
-                              f"{truncated[0]}-truncated distribution, not of the policy the update scores; set "
-                              "recompute_logprobs = true (old log-probs from the training forward) or leave "
-                              f"rollout.{truncated[0]} at its default")
-        # the loss terms that divide by the rollout's log-probs even with recompute_logprobs: each token's weight would
-        # carry the kept mass (1 / its share), which the built-in engine's whole-distribution log-probs do not
+        # vLLM reports log-probs of the truncated distribution it drew from (processed_logprobs); the training forward
+        # and the built-in engine use the whole one. The loss terms that divide by the rollout's log-probs even with
+        # recompute_logprobs would give each token a weight carrying the kept mass (1 / its share); as old log-probs
+        # they would bias every ratio
         behaviour_terms = [what for what, on in (
             (f"loss.rollout_correction = {self.loss.rollout_correction!r} (pi_old / pi_rollout)",
              self.loss.rollout_correction != "none"),
@@ -862,6 +857,11 @@ class RLConfig:
                               f"{truncated[0]}-truncated distribution (higher than the whole one's by -log of the kept "
                               f"mass), and {behaviour_terms[0]} weighs every token by them, unlike the built-in "
                               f"engine's; leave rollout.{truncated[0]} at its default or use rollout_backend = 'builtin'")
+        if self.rollout_backend == "vllm" and truncated and not self.recompute_logprobs:
+            raise ConfigError(f"rollout.{truncated[0]}: with rollout_backend = 'vllm', vLLM's log-probs are of the "
+                              f"{truncated[0]}-truncated distribution, not of the policy the update scores; set "
+                              "recompute_logprobs = true (old log-probs from the training forward) or leave "
+                              f"rollout.{truncated[0]} at its default")
 
     def _validate_groups(self) -> None:
         """`batch.group_size = 1`: only for an estimator whose baseline is not the prompt's group (the registry's

@@ -93,12 +93,23 @@ def test_defaults_validate_and_render_prompt():
          "rollout.top_k"),
         (dict(rollout_backend="vllm", rollout__top_p=0.9, recompute_logprobs=True, allocation="vllm:d1+d1",
               max_head_offpolicyness=1), "rollout.top_p"),
+        (dict(rollout_backend="vllm", rollout__top_p=0.9, allocation="vllm:d1+d1", max_head_offpolicyness=1),
+         "rollout.top_p"),
     ],
 )
 def test_validate_names_the_field(kwargs, field):
     with pytest.raises(ValueError) as e:
         rl_config(validate=True, **kwargs)
     assert str(e.value).startswith(field + ":"), str(e.value)
+
+
+def test_vllm_truncated_sampling_under_a_behaviour_weight_is_refused_without_asking_for_recompute():
+    """The refusal names what would not help: recompute_logprobs leaves TIS / MIS / the decoupled loss dividing by
+    vLLM's truncated log-probs, so the message does not send the user there first."""
+    with pytest.raises(ValueError, match="decoupled loss") as e:
+        rl_config(validate=True, rollout_backend="vllm", rollout__top_p=0.9, allocation="vllm:d1+d1",
+                  max_head_offpolicyness=1)
+    assert "recompute_logprobs" not in str(e.value)
 
 
 def test_vllm_truncated_sampling_needs_the_training_side_old_logprobs():

@@ -16,12 +16,14 @@ vLLM reports (its -100 logit bias on the same ids) and what every RL log-prob of
 (`masked_token_ids`, training/masked_vocab.py): the same distribution everywhere, so the importance
 ratios carry no log(1 - p(vision)) term.
 
-Top-k and top-p share one descending sort: a token below the k-th largest value is dropped, then a token
-is dropped when the probability mass strictly before it (within the kept set, renormalised) already reaches
-top_p, so the most likely token always survives. That is transformers' order and rule (its
-`TopKLogitsWarper` then `TopPLogitsWarper`, after the temperature) and vLLM's: every token tied with the k-th
-value stays, so more than k may remain (frequent with bf16 logits) and no tied token is dropped for its index;
-ties at the top-p boundary are broken by the sort order, as in both. There is no min_p.
+Top-k and top-p share one ascending sort: a token below the k-th largest value is dropped, then a token
+is dropped when the probability mass up to and including it, summed from the least likely (within the kept set,
+renormalised), is at most 1 - top_p, so the most likely token always survives. That is transformers' order and
+rule (its `TopKLogitsWarper` then `TopPLogitsWarper`, after the temperature) and vLLM's (`apply_top_k_top_p`):
+every token tied with the k-th value stays, so more than k may remain (frequent with bf16 logits) and no tied
+token is dropped for its index; ties at the top-p boundary are broken by the sort order, as in both. Summed
+from the tail, the boundary is exact to float32 rounding of the tail's mass even with top_p near 1 over a
+150k vocabulary. There is no min_p.
 
 The draw itself is of that renormalised distribution even when the suppressed ids hold all but e^-100 of
 the mass (a model sure of a vision token), where the other ids' full-softmax probabilities underflow float32:
@@ -76,15 +78,19 @@ def filter_logits(scaled: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0) -
     k_active = 0 < top_k < vocab
     if not k_active and top_p >= 1.0:
         return scaled
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    # ascending, as transformers and vLLM sort: the running sum starts at the least likely token, so where the top-p
+    # boundary lies it holds the tail's small mass to float32 precision (a sum from the top is within ~1e-5 of 1
+    # there after 150k terms, which moved the boundary by ~3e-5 of mass, hundreds of tokens, at top_p = 0.999)
+    sorted_logits, order = scaled.sort(dim=-1)
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if k_active:  # below the k-th largest value: a token tied with it stays (transformers' and vLLM's top-k)
-        drop |= sorted_logits < sorted_logits[:, top_k - 1:top_k]
+        drop |= sorted_logits < sorted_logits[:, vocab - top_k:vocab - top_k + 1]
     if top_p < 1.0:
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        drop |= mass_before >= top_p
-    drop[:, 0] = False
+        # dropped while the tail up to it holds at most 1 - top_p: vLLM's threshold, 1 - float32(top_p) (compared in
+        # float32, as a Python number is); the mass from the first kept token up reaches top_p
+        drop |= probs.cumsum(dim=-1) <= 1.0 - float(torch.tensor(top_p, dtype=torch.float32))
+    drop[:, -1] = False
     mask = torch.zeros_like(drop).scatter_(-1, order, drop)
     return scaled.masked_fill(mask, float("-inf"))
 

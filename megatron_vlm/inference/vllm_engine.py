@@ -20,8 +20,10 @@ prompt with n = group size (prompt sharing: the group shares the prompt's KV cac
 
 Log-probs: vLLM's "processed_logprobs" — of the distribution the token was drawn from (after
 temperature, and after top-k / top-p when set); with top_k = 0 and top_p = 1 that is
-log_softmax(logits / T), the built-in engine's behaviour log-prob. Greedy (temperature 0): the
-log-probs at temperature 1, as the built-in engine reports them.
+log_softmax(logits / T), the built-in engine's behaviour log-prob; with truncation they are not, so the config
+asks for recompute_logprobs and refuses the loss terms that divide by them (TIS / MIS, the decoupled loss: rl/config.py).
+Greedy (temperature 0): the log-probs at temperature 1, as the built-in engine reports them. The tokens a step may
+draw under top-k / top-p are the same set in both engines (inference/sampling.py `filter_logits`: vLLM's rule).
 
 Interruption (`interrupt()` from another thread) aborts the in-flight requests at the next engine
 step; their samples come back with reason "interrupted" and the tokens drawn so far (the outputs are

@@ -131,9 +131,13 @@ class RLRolloutConfig:
     temperature: float = 1.0
     """Sampling temperature of rollouts; the training log-probs use the same temperature."""
     top_p: float = 1.0
-    """Nucleus sampling: keep the smallest set of tokens whose probability reaches rollout.top_p (1 = off)."""
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches rollout.top_p (1 = off). The
+    behaviour log-probs stay those of the whole distribution (built-in engine); vLLM reports the truncated one's, so
+    with rollout_backend = "vllm" it needs recompute_logprobs = true and is refused with loss.rollout_correction and
+    the asynchronous decoupled loss (docs/vllm.md)."""
     top_k: int = 0
-    """Keep only the k most likely tokens when sampling, and any tied with the k-th, as transformers and vLLM do (0 = off)."""
+    """Keep only the k most likely tokens when sampling, and any tied with the k-th, as transformers and vLLM do (0 =
+    off). With rollout_backend = "vllm": as rollout.top_p."""
     max_new_tokens: int = 1024
     """Generation budget per completion; longer completions are cut (and count as truncated)."""
     stop: list[str] = field(default_factory=list)
@@ -553,10 +557,11 @@ class VLLMConfig:
     gpu_memory_utilization: float = 0.5
     """Fraction of the device memory vLLM may take for weights + KV cache (CUDA only; in (0, 1]).
     Colocated with training (synchronous GRPO): leave room for the trainer. On the CPU the KV cache is
-    sized by `vllm.cpu_kv_cache_gib` instead and this key is not read."""
+    sized by `vllm.cpu_kv_cache_gib` instead: set there, this key is refused when the engine starts (exit 2)."""
     cpu_kv_cache_gib: float = 1.0
     """CPU builds of vLLM: KV-cache size in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE, an integer >= 1 there:
-    rounded up; this key sets it, replacing a value already in the environment). Not read on CUDA."""
+    rounded up; this key sets it, replacing a value already in the environment). Set on another device, refused
+    when the engine starts (exit 2)."""
     enforce_eager: bool = False
     """Run the model eagerly (no torch.compile / CUDA graphs): slower decoding, faster start. The CPU
     build always gets eager mode here (its compile step takes minutes on small machines)."""
@@ -598,6 +603,16 @@ class VLLMConfig:
         """Why this config cannot run on a `device_type` device, naming the key; None when it can."""
         if self.sleep_mode and device_type != "cuda":
             return f"rl.vllm.sleep_mode: vLLM's sleep mode needs CUDA (this job runs on {device_type}); set it to false"
+        # each device sizes the engine's memory from its own key (inference/vllm_engine.py): the other one would do nothing
+        defaults = VLLMConfig()
+        if device_type != "cuda" and self.gpu_memory_utilization != defaults.gpu_memory_utilization:
+            return (f"rl.vllm.gpu_memory_utilization: read on CUDA only (this job runs on {device_type}"
+                    + (", where rl.vllm.cpu_kv_cache_gib sizes the KV cache" if device_type == "cpu" else "")
+                    + "); remove it")
+        if device_type != "cpu" and self.cpu_kv_cache_gib != defaults.cpu_kv_cache_gib:
+            return (f"rl.vllm.cpu_kv_cache_gib: read by vLLM's CPU build only (this job runs on {device_type}"
+                    + (", where rl.vllm.gpu_memory_utilization sizes the engine" if device_type == "cuda" else "")
+                    + "); remove it")
         return None
 
 
@@ -828,9 +843,21 @@ class RLConfig:
                                   f"sampling temperature) with rollout_backend = 'vllm'; set it to >= {VLLM_MIN_TEMPERATURE}"
                                   + (" or 0 (greedy)" if key == "eval.temperature" else ""))
         truncated = [k for k, on in (("top_p", self.rollout.top_p < 1), ("top_k", self.rollout.top_k > 0)) if on]
+        # vLLM reports log-probs of the truncated distribution it drew from (processed_logprobs); the training forward
+        # and the built-in engine use the whole one. The loss terms that divide by the rollout's log-probs even with
+        # recompute_logprobs would give each token a weight carrying the kept mass (1 / its share); as old log-probs
+        # they would bias every ratio
+        behaviour_terms = [what for what, on in (
+            (f"loss.rollout_correction = {self.loss.rollout_correction!r} (pi_old / pi_rollout)",
+             self.loss.rollout_correction != "none"),
+            ("the decoupled loss of asynchronous.max_head_offpolicyness > 0 (pi_prox / pi_behav)",
+             self.allocation is not None and self.asynchronous.max_head_offpolicyness > 0)) if on]
+        if self.rollout_backend == "vllm" and truncated and behaviour_terms:
+            raise ConfigError(f"rollout.{truncated[0]}: with rollout_backend = 'vllm', vLLM's log-probs are of the "
+                              f"{truncated[0]}-truncated distribution (higher than the whole one's by -log of the kept "
+                              f"mass), and {behaviour_terms[0]} weighs every token by them, unlike the built-in "
+                              f"engine's; leave rollout.{truncated[0]} at its default or use rollout_backend = 'builtin'")
         if self.rollout_backend == "vllm" and truncated and not self.recompute_logprobs:
-            # vLLM reports log-probs of the truncated distribution it drew from (processed_logprobs); the training
-            # forward and the built-in engine use the whole one: as old log-probs they would bias every ratio
             raise ConfigError(f"rollout.{truncated[0]}: with rollout_backend = 'vllm', vLLM's log-probs are of the "
                               f"{truncated[0]}-truncated distribution, not of the policy the update scores; set "
                               "recompute_logprobs = true (old log-probs from the training forward) or leave "

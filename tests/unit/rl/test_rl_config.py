@@ -85,6 +85,16 @@ def test_defaults_validate_and_render_prompt():
         # vLLM's log-probs are of the truncated distribution: old log-probs from the training forward only
         (dict(rollout_backend="vllm", rollout__top_p=0.9), "rollout.top_p"),
         (dict(rollout_backend="vllm", rollout__top_k=20), "rollout.top_k"),
+        # ... and the loss terms that divide by the rollout's log-probs (TIS / MIS, the decoupled loss's pi_behav)
+        # would read vLLM's truncated ones where the built-in engine's are of the whole distribution
+        (dict(rollout_backend="vllm", rollout__top_p=0.9, recompute_logprobs=True, rollout_correction="tis"),
+         "rollout.top_p"),
+        (dict(rollout_backend="vllm", rollout__top_k=20, recompute_logprobs=True, rollout_correction="mis"),
+         "rollout.top_k"),
+        (dict(rollout_backend="vllm", rollout__top_p=0.9, recompute_logprobs=True, allocation="vllm:d1+d1",
+              max_head_offpolicyness=1), "rollout.top_p"),
+        (dict(rollout_backend="vllm", rollout__top_p=0.9, allocation="vllm:d1+d1", max_head_offpolicyness=1),
+         "rollout.top_p"),
     ],
 )
 def test_validate_names_the_field(kwargs, field):
@@ -93,9 +103,23 @@ def test_validate_names_the_field(kwargs, field):
     assert str(e.value).startswith(field + ":"), str(e.value)
 
 
+def test_vllm_truncated_sampling_under_a_behaviour_weight_is_refused_without_asking_for_recompute():
+    """The refusal names what would not help: recompute_logprobs leaves TIS / MIS / the decoupled loss dividing by
+    vLLM's truncated log-probs, so the message does not send the user there first."""
+    with pytest.raises(ValueError, match="decoupled loss") as e:
+        rl_config(validate=True, rollout_backend="vllm", rollout__top_p=0.9, allocation="vllm:d1+d1",
+                  max_head_offpolicyness=1)
+    assert "recompute_logprobs" not in str(e.value)
+
+
 def test_vllm_truncated_sampling_needs_the_training_side_old_logprobs():
     rl_config(validate=True, rollout_backend="vllm", rollout__top_p=0.9, rollout__top_k=20, recompute_logprobs=True)
     rl_config(validate=True, rollout__top_p=0.9, rollout__top_k=20)  # the built-in engine reports the whole distribution
+    # the rollout's log-probs in no loss term: the asynchronous loop at offpolicyness 0 (the synchronous loss)
+    rl_config(validate=True, rollout_backend="vllm", rollout__top_p=0.9, recompute_logprobs=True, allocation="vllm:d1+d1")
+    # the built-in engine with the same loss terms: its log-probs are of the whole distribution, as the trainer's
+    rl_config(validate=True, rollout__top_p=0.9, recompute_logprobs=True, rollout_correction="tis")
+    rl_config(validate=True, rollout__top_k=20, allocation="rollout:1+train:1", max_head_offpolicyness=1)
 
 
 def test_named_rewards_may_repeat_a_type():

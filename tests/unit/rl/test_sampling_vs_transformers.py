@@ -96,6 +96,24 @@ def test_a_tiny_top_p_keeps_exactly_the_argmax():
     assert torch.equal(out.argmax(-1), logits.argmax(-1))
 
 
+@pytest.mark.parametrize("top_p", [0.99, 0.999, 0.9999])
+def test_a_top_p_near_one_keeps_the_tail_of_a_real_vocabulary(top_p):
+    """A Qwen-sized vocabulary (151,936 ids) whose tail holds much of the mass: the kept set is transformers' and the
+    exact one (float64) but for tokens within float32 rounding of the boundary (transformers rounds 1 - top_p,
+    vLLM 1 - float32(top_p): one or two ~1e-8 tokens apart), where a float32 running sum from the most likely token
+    down (near 1, off by ~1e-5 after 150k terms) dropped ~3e-5 of kept mass, 30-40 % of the tail top_p = 0.9999
+    keeps, hundreds of tokens. transformers and vLLM sum from the least likely token up, where the boundary lies."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 151936, generator=g) * 3.0
+    ours = kept(filter_logits(logits, top_p=top_p))
+    probs = torch.softmax(logits.double(), -1)
+    sorted_probs, order = probs.sort(-1, descending=True)
+    exact = torch.zeros_like(ours).scatter_(-1, order, (sorted_probs.cumsum(-1) - sorted_probs) < top_p)
+    for ref in (kept(hf_filtered(logits, 1.0, 0, top_p)), exact):
+        assert int((ref ^ ours).sum()) <= 6
+        assert float((probs * (ref ^ ours)).sum(-1).max()) < 1e-7
+
+
 def _binomial_bounds_hold(counts: torch.Tensor, probs: torch.Tensor, n: int, z: float = 5.0) -> None:
     """Every token's count within z standard deviations of n p (two-sided; p = 0 must give 0 draws)."""
     for i, (c, p) in enumerate(zip(counts.tolist(), probs.tolist())):

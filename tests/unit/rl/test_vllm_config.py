@@ -84,6 +84,22 @@ def test_engine_refuses_sleep_mode_off_cuda_before_importing_vllm():
         VLLMRolloutEngine("unused", VLLMConfig(sleep_mode=True), dtype=torch.float32, device="cpu", max_model_len=64)
 
 
+@pytest.mark.parametrize("device,cfg,want", [
+    ("cpu", VLLMConfig(gpu_memory_utilization=0.3), r"^rl\.vllm\.gpu_memory_utilization: read on CUDA only"),
+    ("cuda", VLLMConfig(cpu_kv_cache_gib=4.0), r"^rl\.vllm\.cpu_kv_cache_gib: read by vLLM's CPU build only"),
+])
+def test_the_other_devices_memory_key_is_refused_before_importing_vllm(device, cfg, want):
+    """The engine sizes its KV cache from gpu_memory_utilization on CUDA and from cpu_kv_cache_gib on the CPU: the
+    other key, set, would do nothing (exit 2 naming it, as sleep_mode off CUDA)."""
+    from megatron_vlm.inference.vllm_engine import VLLMRolloutEngine
+
+    with pytest.raises(ConfigError, match=want):
+        VLLMRolloutEngine("unused", cfg, dtype=torch.float32, device=device, max_model_len=64)
+    assert VLLMConfig().device_blocker("cpu") is None and VLLMConfig().device_blocker("cuda") is None
+    assert VLLMConfig(cpu_kv_cache_gib=4.0).device_blocker("cpu") is None
+    assert VLLMConfig(gpu_memory_utilization=0.3).device_blocker("cuda") is None
+
+
 def test_launcher_check_exits_2_naming_the_key(tmp_path):
     toml = tmp_path / "tiny.toml"
     toml.write_text(f'[model]\npath = "{tmp_path / "m"}"\nsynthesize = "tiny_qwen2_5_vl"\n\n'

@@ -12,6 +12,8 @@ there, and so does `.ci/run`; skipped where vllm is not importable).
   M-RoPE rule, as vLLM; transformers 5.x's rule would put it ~3e-3 off, measured);
 - our M-RoPE positions equal vLLM's own `get_mrope_input_positions` for videos (fractional, integer and
   float32-boundary seconds per grid), images and text;
+- the tokens a step may draw under top-k / top-p are exactly those vLLM's own `apply_top_k_top_p` keeps (bf16 ties,
+  a Qwen-sized vocabulary with top_p near 1);
 - the log-probs vLLM reports for sampled tokens (processed: after temperature) equal our training
   forward's log_softmax(logits / T) of the same tokens within 1e-4 (fp32);
 - a weight push makes the engine generate exactly what a fresh vLLM engine loaded from the exported
@@ -126,6 +128,28 @@ def test_greedy_equals_builtin_and_logprobs_equal_training_forward(kind, tmp_pat
         torch.testing.assert_close(s.logprobs, lp, atol=1e-4, rtol=0)
         n += s.token_ids.numel()
     assert n > 3 * len(prompts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: ties at the top-k / top-p boundary
+def test_kept_set_equals_vllms_top_k_top_p(dtype):
+    """The tokens a step may draw (built-in `filter_logits`) are exactly those vLLM's own `apply_top_k_top_p` keeps
+    (after its in-place temperature), on a Qwen-sized vocabulary too, top_p near 1 included (a running sum from the
+    most likely token down once dropped hundreds of tokens there), ties and top_k past the vocabulary."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    from megatron_vlm.inference.sampling import filter_logits
+
+    g = torch.Generator().manual_seed(0)
+    small = [(1.0, 1.0, 0, 0.9), (3.0, 0.6, 0, 0.999), (3.0, 1.3, 20, 0.5), (0.01, 1.0, 3, 1.0), (3.0, 1.0, 55, 0.999),
+             (1.0, 0.7, 1, 0.5), (3.0, 1.0, 0, 1e-4)]
+    for vocab, cases in ((50, small), (151936, [(3.0, 0.6, 0, 0.999), (3.0, 1.3, 151941, 0.5)])):
+        for scale, T, k, p in cases:
+            x = (torch.randn(3, vocab, generator=g) * scale).to(dtype).float()
+            theirs = apply_top_k_top_p(x.clone().div_(torch.full((3, 1), T)),
+                                       torch.full((3,), min(k, vocab), dtype=torch.int32) if k else None,
+                                       torch.full((3,), p) if p < 1 else None)
+            ours = filter_logits(x / T, top_k=k, top_p=p)
+            assert torch.equal(ours > float("-inf"), theirs > float("-inf")), (vocab, scale, T, k, p)
 
 
 def _perturb_(model, seed):

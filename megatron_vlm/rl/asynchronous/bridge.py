@@ -20,8 +20,9 @@ tensor at a time). Each message is announced on the launcher's store before its 
 message (the trainer's start-up, a training step, a held-out evaluation, a checkpoint or the export on one side; the
 generation of a step on the other) lasts as long as the peer is alive, however long, and only the transfer itself
 is bounded by `timeout_s`. A peer whose process ends (or hangs in a transfer) makes the waiting side fail: no
-heartbeat for `silent_s` (120 s) while it is waited for, a closed connection or the timeout within a transfer; the
-caller turns that into an error naming the bridge, the job stops.
+heartbeat for `timeout_s` while it is waited for (a heartbeat thread of its own, so a long evaluation or export does
+not silence it), a closed connection or the timeout within a transfer; the caller turns that into an error naming
+the bridge, the job stops (torchrun ends it sooner when a process exits).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ import torch.distributed as dist
 
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.rl.asynchronous.allocation import ALLOCATION_GRAMMAR, Allocation, parse_allocation
-from megatron_vlm.rl.asynchronous.doorbell import SILENT_S, Doorbells, PeerSilent
+from megatron_vlm.rl.asynchronous.doorbell import Doorbells, PeerSilent
 
 __all__ = ["Bridge", "Role", "setup_roles", "current_role", "BridgeError"]
 
@@ -52,16 +53,16 @@ class BridgeError(RuntimeError):
 class Bridge:
     """Messages and tensors between training rank 0 (bridge rank 0) and the rollout ranks (1 .. N)."""
 
-    def __init__(self, store, rank: int, size: int, timeout_s: float, *, silent_s: float = SILENT_S):
-        """`timeout_s`: the limit of one transfer once both ends are there; `silent_s`: how long a peer that is waited
-        for may show no heartbeat before it counts as gone (module docstring)."""
+    def __init__(self, store, rank: int, size: int, timeout_s: float, *, silent_s: Optional[float] = None):
+        """`timeout_s`: the limit of one transfer once both ends are there, and (unless `silent_s` says otherwise) how
+        long a peer that is waited for may show no heartbeat before it counts as gone (module docstring)."""
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
         # gloo groups used through their own broadcast / send / recv (torch's stubs do not list those methods)
         self.weights: Any = dist.ProcessGroupGloo(dist.PrefixStore("mvlm_async/weights", store), rank, size, timeout)
         self.samples: Any = dist.ProcessGroupGloo(dist.PrefixStore("mvlm_async/samples", store), rank, size, timeout)
         self.bells = Doorbells(dist.PrefixStore("mvlm_async/bells", store), rank, ("weights", "samples"),
-                               silent_s=silent_s)
+                               silent_s=timeout_s if silent_s is None else silent_s)
         self._sequence: Counter[str] = Counter()
         """Transfers announced so far per count key (each side counts its own; both count alike)."""
 

@@ -23,10 +23,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["Doorbells", "PeerSilent", "SILENT_S"]
-
-SILENT_S = 120.0
-"""A bridge peer whose heartbeat has not moved for this long is gone (the wait for it fails)."""
+__all__ = ["Doorbells", "PeerSilent"]
 
 _POLL_MIN_S, _POLL_MAX_S = 0.0005, 0.01
 """The polling interval of a wait: doubling from the first up to the second (the latency a handshake adds)."""
@@ -49,9 +46,11 @@ def _client(store: Any) -> Any:
 
 class Doorbells:
     """The counts and heartbeats of one bridge process (`rank`) on `store`; `channels`: the names whose transfers it
-    announces (each used by one thread at a time, with a store client of its own)."""
+    announces (each used by one thread at a time, with a store client of its own); `silent_s`: how long a peer that
+    is waited for may show no heartbeat (the bridge's timeout: generous, as a thread starved by a call that holds the
+    interpreter for a while, a large export's serialisation, must not pass for a dead process)."""
 
-    def __init__(self, store: Any, rank: int, channels: Iterable[str], *, silent_s: float = SILENT_S):
+    def __init__(self, store: Any, rank: int, channels: Iterable[str], *, silent_s: float):
         if silent_s <= 0:
             raise ValueError(f"silent_s: must be > 0, got {silent_s}")
         self.rank, self.silent_s = rank, float(silent_s)

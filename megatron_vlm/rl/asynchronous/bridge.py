@@ -15,14 +15,22 @@ rank 0, bridge rank 1 + r = rollout rank r):
   step's completed, scored groups.
 
 Both are gloo groups (CPU tensors; on an accelerator a tensor is staged through host memory one
-tensor at a time). A peer that dies makes the waiting side's call fail (closed connection) or time
-out after `timeout_s`: the caller turns that into an error naming the rank, the job stops.
+tensor at a time). Each message is announced on the launcher's store before its transfer
+(rl/asynchronous/doorbell.py): a side posts its gloo call once the other side has arrived, so the wait for the next
+message (the trainer's start-up, a training step, a held-out evaluation, a checkpoint or the export on one side; the
+generation of a step on the other) lasts as long as the peer is alive, however long, and only the transfer itself
+is bounded by `timeout_s`. A peer whose process ends (or hangs in a transfer) makes the waiting side fail: no
+heartbeat for `timeout_s` while it is waited for (a heartbeat thread of its own, so a long evaluation or export does
+not silence it), a closed connection or the timeout within a transfer; the caller turns that into an error naming
+the bridge, the job stops (torchrun ends it sooner when a process exits).
 """
 from __future__ import annotations
 
 import datetime
 import os
 import pickle
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -31,6 +39,7 @@ import torch.distributed as dist
 
 from megatron_vlm.errors import ConfigError
 from megatron_vlm.rl.asynchronous.allocation import ALLOCATION_GRAMMAR, Allocation, parse_allocation
+from megatron_vlm.rl.asynchronous.doorbell import Doorbells, PeerSilent
 
 __all__ = ["Bridge", "Role", "setup_roles", "current_role", "BridgeError"]
 
@@ -44,12 +53,42 @@ class BridgeError(RuntimeError):
 class Bridge:
     """Messages and tensors between training rank 0 (bridge rank 0) and the rollout ranks (1 .. N)."""
 
-    def __init__(self, store, rank: int, size: int, timeout_s: float):
+    def __init__(self, store, rank: int, size: int, timeout_s: float, *, silent_s: Optional[float] = None):
+        """`timeout_s`: the limit of one transfer once both ends are there, and (unless `silent_s` says otherwise) how
+        long a peer that is waited for may show no heartbeat before it counts as gone (module docstring)."""
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
         # gloo groups used through their own broadcast / send / recv (torch's stubs do not list those methods)
         self.weights: Any = dist.ProcessGroupGloo(dist.PrefixStore("mvlm_async/weights", store), rank, size, timeout)
         self.samples: Any = dist.ProcessGroupGloo(dist.PrefixStore("mvlm_async/samples", store), rank, size, timeout)
+        self.bells = Doorbells(dist.PrefixStore("mvlm_async/bells", store), rank, ("weights", "samples"),
+                               silent_s=timeout_s if silent_s is None else silent_s)
+        self._sequence: Counter[str] = Counter()
+        """Transfers announced so far per count key (each side counts its own; both count alike)."""
+
+    def close(self) -> None:
+        """Stop this end's heartbeat (at the end of its process; the tests' ends of a bridge)."""
+        self.bells.close()
+
+    def _announce(self, channel: str, key: str, peers: Iterable[int], *, sending: bool, what: str) -> None:
+        """Before transfer number n on `key` (each side counts its own): the sender counts it sent and waits until every
+        receiver (`peers`) has counted it ready; a receiver waits until the sender (`peers`) has counted it sent, then
+        counts itself ready. Both gloo calls then run at once (module docstring). A silent peer, or a store that fails,
+        is a `BridgeError` naming the bridge."""
+        peers = tuple(peers)
+        n = self._sequence[key] + 1
+        self._sequence[key] = n
+        try:
+            if sending:
+                self.bells.ring(channel, f"{key}/sent")
+                self.bells.wait_for(channel, f"{key}/ready", n * len(peers), peers)
+            else:
+                self.bells.wait_for(channel, f"{key}/sent", n, peers)
+                self.bells.ring(channel, f"{key}/ready")
+        except PeerSilent as e:
+            raise BridgeError(f"asynchronous GRPO: {what} failed: {e}") from None
+        except RuntimeError as e:  # the launcher's store did not answer (its host is gone): the job is ending
+            raise BridgeError(f"asynchronous GRPO: {what} failed: the launcher's store did not answer: {e}") from None
 
     def _wait(self, work, what: str) -> None:
         try:
@@ -60,12 +99,14 @@ class Bridge:
 
     # ---- broadcasts from the trainer (bridge rank 0) ----
     def broadcast_object(self, obj: Any = None) -> Any:
-        """Bridge rank 0 sends `obj`; every other rank returns it."""
+        """Bridge rank 0 sends `obj`; every other rank returns it (waiting for it as long as rank 0 lives)."""
         if self.rank == 0:
             data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
             n = torch.tensor([data.numel()], dtype=torch.int64)
         else:
             n = torch.zeros(1, dtype=torch.int64)
+        self._announce("weights", "weights", range(1, self.size) if self.rank == 0 else (0,), sending=self.rank == 0,
+                       what="control message")
         self._wait(self.weights.broadcast(n, 0), "control message")
         if self.rank != 0:
             data = torch.empty(int(n), dtype=torch.uint8)
@@ -73,20 +114,26 @@ class Bridge:
         return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
 
     def broadcast_tensor_(self, tensor: torch.Tensor, what: str = "weight push") -> None:
-        """In place: bridge rank 0's `tensor` into every rank's (CPU, contiguous)."""
+        """In place: bridge rank 0's `tensor` into every rank's (CPU, contiguous). Not announced: the tensors of a push
+        follow its control message, which every rank has received."""
         self._wait(self.weights.broadcast(tensor, 0), what)
 
     # ---- rollout rank -> trainer ----
     def send_object(self, obj: Any, dst: int = 0) -> None:
+        """To bridge rank `dst` (the trainer), once it is ready to receive it."""
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        self._announce("samples", f"samples/{self.rank}", (dst,), sending=True, what="sending samples")
         self._wait(self.samples.send([torch.tensor([data.numel()], dtype=torch.int64)], dst, 0), "sending samples")
         self._wait(self.samples.send([data], dst, 1), "sending samples")
 
     def recv_object(self, src: int) -> Any:
+        """From bridge rank `src` (rollout rank src - 1), waiting for it as long as that rank lives."""
+        what = f"receiving samples from rollout rank {src - 1}"
+        self._announce("samples", f"samples/{src}", (src,), sending=False, what=what)
         n = torch.zeros(1, dtype=torch.int64)
-        self._wait(self.samples.recv([n], src, 0), f"receiving samples from rollout rank {src - 1}")
+        self._wait(self.samples.recv([n], src, 0), what)
         data = torch.empty(int(n), dtype=torch.uint8)
-        self._wait(self.samples.recv([data], src, 1), f"receiving samples from rollout rank {src - 1}")
+        self._wait(self.samples.recv([data], src, 1), what)
         return pickle.loads(data.numpy().tobytes())
 
 

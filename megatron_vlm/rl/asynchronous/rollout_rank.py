@@ -83,19 +83,19 @@ class _State:
         self.cond = threading.Condition()
         self.version = version
         self.wanted = -1
-        self.sent = -1
-        """The last step whose payload went to the trainer."""
         """The step the trainer waits for (its "want" message): a step is sent only then, so no message
         is ever left without a receiver (a trainer stopped by SIGTERM asks for nothing more)."""
+        self.sent = -1
+        """The last step whose payload went to the trainer."""
         self.stop = False
         self.error: Optional[BaseException] = None
         self.engine: Any = None  # PolicyRolloutEngine or VLLMRolloutEngine
         self.signum: Callable[[], int] = lambda: 0
+        """The stop signal this rank received (its `StopFlag`): sent with each step, so the trainer stops too."""
         self.abandon: Optional[Callable[[], bool]] = None
         """The reward / environment waits' stop check (None: never give up)."""
         self.stop_signum = 0
         """The signal of the trainer's "stop" (0: the run ended): the rank then exits 143 like every rank."""
-        """The stop signal this rank received (its `StopFlag`): sent with each step, so the trainer stops too."""
 
 
 def _sample_payload(s, digests: list[str]) -> dict:

@@ -16,7 +16,8 @@ happens after the update. Per step s (the trainer holds policy version s = steps
    instead of adding to every step;
 2. check the staleness bound on every token: s - version <= max_head_offpolicyness (an error, not a
    warning: the rollout's gate guarantees it);
-3. encode the prompts of the groups (the same encoder as the rollout's), group advantages, and the
+3. encode the prompts of the groups (the same encoder as the rollout's; one that does not encode here although it
+   did there is a skipped prompt, counted, its group left out of the step), group advantages, and the
    update of the synchronous step (`GRPOStep.train_on_rounds`: with max_head_offpolicyness > 0 the
    decoupled loss, proximal log-probs recomputed before the update);
 4. push the weights (rl/asynchronous/weights.py) as version s + 1; the rollout ranks waiting for it go on.
@@ -48,7 +49,7 @@ import torch
 from megatron_vlm.abandon import ABANDON_POLL_S, Patience
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.errors import ConfigError
-from megatron_vlm.inference.engine import RolloutResult, RolloutSample
+from megatron_vlm.inference.engine import RolloutPrompt, RolloutResult, RolloutSample
 from megatron_vlm.parallel.collectives import all_gather_objects, all_reduce_max, world_size
 from megatron_vlm.rl.algorithms.advantage_estimators import AdvantageSpec
 from megatron_vlm.rl.asynchronous.bridge import Bridge, Role
@@ -257,20 +258,17 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
                                [trajs[j] for j in js] if trajs is not None else None))
         if not groups:  # every rank sees the same payloads: all raise, as the synchronous loop's `encode_shard` does
             raise ConfigError(_nothing_encoded(step, payloads))
-        mine = groups[me::M]
+        # the groups of this shard whose prompts encode here too (one that does not is left out, counted)
+        mine = [(g, enc) for g in groups[me::M] if (enc := self._encode_again(g)) is not None]
         if not mine:  # prompts skipped mid-run left this shard without a group: a dummy (loss x 0) keeps it in step
-            return self._dummy_round(groups[0])
+            # (made of another shard's group: this shard's own, if it had any, were just found unreadable here)
+            return self._dummy_round([g for i, g in enumerate(groups) if i % M != me] or groups)
         shard_samples, prompts, real, total = [], [], [], []
         per_reward: dict[str, list[float]] = {label: [] for label in self.grpo.reward_labels}
-        if any(g[4] is not None for g in mine):
+        if any(g[4] is not None for g, _ in mine):
             per_reward["env"] = []
-        for gi, (idx, samples, tot, per, _) in enumerate(mine):
-            sample = self.train_set[idx]
-            enc = self.encoder.encode(sample)
-            if enc is None:
-                raise RuntimeError(f"asynchronous GRPO: prompt {sample.prompt_id} encoded on the rollout rank but not here")
-            check_same_prompt(sample, enc, samples)
-            shard_samples.append(sample)
+        for gi, ((idx, samples, tot, per, _), enc) in enumerate(mine):
+            shard_samples.append(self.train_set[idx])
             prompts.append(enc)
             for s in samples:
                 real.append(RolloutSample(prompt_index=gi, sample_index=s["sample_index"], token_ids=s["token_ids"],
@@ -284,19 +282,35 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         shard = EncodedShard(shard_samples, prompts)
         result = RolloutResult(samples=real, num_generated_tokens=sum(int(s.token_ids.numel()) for s in real))
         return shape_round(self.rl, self.advantage, shard, result, real, total, per_reward,
-                           round_trajectories([g[4] for g in mine]))
+                           round_trajectories([g[4] for g, _ in mine]))
 
-    def _dummy_round(self, group: tuple) -> Round:
-        """A round with no real sample for a data shard left without a group: its update forwards a copy of `group`'s
-        prompt and first completion (a multi-turn one: one token of the prompt, as the synchronous loop's empty rank)
-        with loss x 0, so the training ranks make the same calls."""
-        idx, samples, _, _, trajs = group
-        enc = self.encoder.encode(self.train_set[idx])
+    def _encode_again(self, group: tuple) -> Optional[RolloutPrompt]:
+        """This trainer's encoding of a group's prompt, checked against the rollout rank's (`check_same_prompt`: an
+        encoding that differs is an error). None when the prompt cannot be encoded here although the rollout rank
+        could (a video decode past data.video_decode_timeout_s on the busy trainer, a file unreadable for a moment):
+        the encoder has counted it (data/skipped_prompts) and logged it as a bad record, as the rollout rank counts its
+        own, and the group is left out of the step, as the synchronous loop leaves out a prompt it cannot encode
+        (instead of ending the run and losing the steps since the newest checkpoint)."""
+        idx, samples = group[0], group[1]
+        sample = self.train_set[idx]
+        enc = self.encoder.encode(sample)
         if enc is None:
-            raise RuntimeError(f"asynchronous GRPO: prompt {self.train_set[idx].prompt_id} encoded on the rollout rank "
-                               "but not here")
+            log.warning("asynchronous GRPO: prompt %s, which the rollout rank encoded, could not be encoded by the "
+                        "trainer: its group is left out of this step (a skipped prompt)", getattr(sample, "prompt_id", idx))
+            return None
+        check_same_prompt(sample, enc, samples)
+        return enc
+
+    def _dummy_round(self, groups: list[tuple]) -> Round:
+        """A round with no real sample for a data shard left without a group: its update forwards a copy of the prompt
+        and first completion of the first of `groups` that encodes here (a multi-turn one: one token of the prompt, as
+        the synchronous loop's empty rank) with loss x 0, so the training ranks make the same calls."""
+        found = next(((g, enc) for g in groups if (enc := self._encode_again(g)) is not None), None)
+        if found is None:
+            raise ConfigError(f"data: none of the prompts of this step's {len(groups)} groups could be encoded by the "
+                              "trainer, though the rollout ranks encoded them (the warnings above name them)")
+        (_, samples, _, _, trajs), enc = found
         s = samples[0]
-        check_same_prompt(self.train_set[idx], enc, samples)
         dummy = [] if trajs is not None else [RolloutSample(
             prompt_index=0, sample_index=0, token_ids=s["token_ids"], logprobs=s["logprobs"], text=s["text"],
             finish_reason=s["finish_reason"], prompt_length=s["prompt_length"], token_versions=s["token_versions"],

@@ -2,8 +2,9 @@
 
 The trainer waits for the step's samples from that rank, and the rank's weight thread waits for the trainer's
 next control message: if the rank's main thread joins the weight thread after the scoring thread failed, both
-sides wait until the bridge's timeout (30 minutes) before the job ends. The rank must raise the scoring error at
-once, so its process exits and the trainer's receive fails on the closed connection."""
+sides wait for each other (once until the bridge's 30-minute timeout; now as long as both processes live) before the
+job ends. The rank must raise the scoring error at once, so its process exits, torchrun ends the job and the trainer's
+wait fails once the rank's heartbeat is gone."""
 from __future__ import annotations
 
 import threading

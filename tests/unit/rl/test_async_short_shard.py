@@ -77,3 +77,35 @@ def test_the_dummy_round_goes_through_the_update_without_changing_the_policy():
     assert out["rollout/prompts"] == 0.0
     for a, b in zip(policy.parameters(), before):
         assert torch.equal(a, b)
+
+
+class _FlakyEncoder(_Encoder):
+    """The trainer's encoder, which cannot read prompt 1 at this step (its video decode timed out on the busy trainer,
+    its file was unreadable for a moment) though the rollout rank could: a skipped prompt, counted."""
+
+    def __init__(self, fails: set):
+        self.fails, self.skipped = fails, 0
+
+    def encode(self, sample):
+        if sample in self.fails:
+            self.skipped += 1
+            return None
+        return super().encode(sample)
+
+
+def test_a_prompt_the_trainer_cannot_encode_again_is_skipped_not_fatal():
+    """Before: "prompt 1 encoded on the rollout rank but not here", a crash of the run (the work since the newest
+    checkpoint lost) for a prompt the synchronous loop skips and counts. Now its group is left out of the step."""
+    t = _trainer(0)
+    t.grpo = SimpleNamespace(shards=SimpleNamespace(rank=0, world=1), reward_labels=["math"])
+    t.encoder = _FlakyEncoder({1})
+    rd = t._round(0, [_payload(0, [1, 2])])
+    assert t.encoder.skipped == 1
+    assert rd.shard.samples == [2] and rd.shard.num_real == 1 and len(rd.real) == G
+    assert [s.prompt_index for s in rd.real] == [0] * G  # the kept group's samples, renumbered as the shard's first
+    assert rd.total == [0.0, 1.0] and rd.per_reward == {"math": [0.0, 1.0]}  # the second group's rewards
+    # every group of this shard unreadable here: the shard trains on a dummy made of a prompt it can read (loss x 0)
+    t2 = _trainer(1)
+    t2.encoder = _FlakyEncoder({2})
+    rd2 = t2._round(0, [_payload(0, [1, 2])])
+    assert rd2.shard.num_real == 0 and rd2.real == [] and GRPOStep._dummy(rd2).advantage == 0.0

@@ -39,8 +39,8 @@ requeued run, resumed at the last step, evaluates and exports.
 
 A step that ran but must end the run (`StopAfterStep`: GRPO steps without a usable reward for
 `rl.reward_pool.max_failed_steps` steps in a row) has its row logged; its checkpoint is saved when steps worth keeping
-would otherwise be lost (the newest checkpoint is older than the steps that were wasted), then its error is raised
-(exit 1 through the runner). Otherwise the newest checkpoint stays the resume point.
+would otherwise be lost (the newest checkpoint is older than the steps that were wasted), `steps.finish()` runs, then
+its error is raised (exit 1 through the runner). Otherwise the newest checkpoint stays the resume point.
 
 A checkpoint of a later step than `total_steps` (train.max_steps lowered since) is refused (ConfigError: exit 2)
 rather than evaluated and exported as this run's result. A run that reaches `total_steps` saves the final
@@ -127,6 +127,16 @@ def _evaluated(ctx: RunContext, metrics, step: int) -> bool:
     return any_rank(logged is not None and logged("eval", step) is True, ctx.device)
 
 
+def _finish_before_error(steps: StepRunner) -> None:
+    """`steps.finish()` for a run that ends with an error every rank raised together (`StopAfterStep`): the run's
+    bad-record summary is written and an asynchronous trainer's rollout ranks are told to stop, as at any other end.
+    A failure here is logged, not raised: the error the run stops for is the one to report."""
+    try:
+        steps.finish()
+    except Exception as e:  # noqa: BLE001 - the run's own error follows
+        log.error("finishing the run before it stops failed: %s: %s", type(e).__name__, e)
+
+
 def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpointer: Checkpointer, metrics,
              log_every: int, eval_every: int = 0, eval_at_start: bool = False,
              resume: Optional[ResumePoint] = None, before_step: Optional[Callable[[int], None]] = None) -> int:
@@ -199,6 +209,7 @@ def run_loop(ctx: RunContext, steps: StepRunner, *, total_steps: int, checkpoint
             elif checkpointer.enabled:
                 log.warning("not saving step %d: the newest checkpoint (step %d) holds every step worth keeping; "
                             "resume from it", done, saved_at)
+            _finish_before_error(steps)
             raise e.error from None
         except StopAgreed as e:  # agreed at the step's start, nothing of it ran: a stop at the boundary before it
             set_rng_state(before)

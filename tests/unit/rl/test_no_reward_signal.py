@@ -98,8 +98,9 @@ def test_an_environment_that_errors_on_every_call_stops_the_grpo_run():
 class Steps:
     """Good steps until `bad_from` (0-based), then steps without reward; the `wasted`-th of them stops the run."""
 
-    def __init__(self, bad_from: int, wasted: int):
-        self.bad_from, self.wasted = bad_from, wasted
+    def __init__(self, bad_from: int, wasted: int, finish_fails: bool = False):
+        self.bad_from, self.wasted, self.finish_fails = bad_from, wasted, finish_fails
+        self.finished = 0
 
     def load_data_state(self, state, step):
         pass
@@ -116,7 +117,9 @@ class Steps:
         return {"next_step": step}
 
     def finish(self):
-        pass
+        self.finished += 1
+        if self.finish_fails:
+            raise OSError(28, "No space left on device")
 
 
 class Checkpointer:
@@ -153,6 +156,18 @@ def test_no_save_when_only_steps_without_reward_would_be_lost():
     ckpt = Checkpointer(every=5)
     _loop(Steps(bad_from=4, wasted=3), ckpt)
     assert ckpt.saved == [5]
+
+
+def test_the_run_stopped_for_no_reward_still_finishes_its_steps():
+    """`steps.finish()` (the bad-record summary of the whole run; the asynchronous trainer's stop message to its rollout
+    ranks) runs before the error is raised, as it does for a run that ends or stops; a failure in it is logged and the
+    error the run stopped for is the one raised."""
+    steps = Steps(bad_from=2, wasted=2)
+    _loop(steps, Checkpointer(every=5))
+    assert steps.finished == 1
+    steps = Steps(bad_from=2, wasted=2, finish_fails=True)
+    _loop(steps, Checkpointer(every=5))  # raises RewardsAllFailedError, not the OSError
+    assert steps.finished == 1
 
 
 def test_a_negative_max_failed_steps_is_refused_naming_the_key():

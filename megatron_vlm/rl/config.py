@@ -171,7 +171,9 @@ class RLRolloutConfig:
     MoE blocks exchange tokens between ranks, so ranks decode in lock-step as with "shared". For
     the 30B-A3B recipes, where "copy" does not fit and "shared" gathers the whole model per token. Refused
     with parallel.ep = 1, parallel.backend = "mcore", parallel.tp > 1, [lora], asynchronous GRPO (allocation) and
-    rollout_backend = "vllm"."""
+    rollout_backend = "vllm". With asynchronous GRPO (allocation) the rollout ranks always generate with their own
+    copy, which the trainer's weight pushes refresh: this key then chooses only how the training ranks generate the
+    held-out evaluation ([rl.eval]), and "copy" loads that copy on the training ranks even for a run without one."""
     cuda_graphs: str = "auto"
     """Decode steps of the rollout engine on static buffers per batch-size bucket (1, 2, 4, ... slots),
     captured once per bucket as CUDA graphs and replayed (one launch per step instead of hundreds of small

@@ -100,6 +100,10 @@ class Config:
                 raise ValueError(f"rl.rollout.kv_cache_blocks: {rl.rollout.kv_cache_blocks} blocks of {rl.rollout.kv_block_size} positions cannot "
                                  f"hold one sample of up to data.max_tokens_per_pack = {tokens} tokens (prompt + budget) "
                                  f"besides the engine's scratch block: needs >= {need}")
+        if mode == "grpo" and self.rl is not None:  # PPO's critic: data-parallel ranks only (rl/critic/build.py)
+            refused = self.rl.critic_layout_refusal(self.parallel)
+            if refused:
+                raise ValueError(refused)
         if mode == "grpo" and self.rl is not None and self.rl.rollout_backend == "vllm":
             self._validate_vllm_length()
         if mode == "grpo" and self.rl is not None and self.rl.routing_replay == "rollout":

@@ -1073,6 +1073,25 @@ class RLConfig:
         if self.accuracy_reward is not None and self.accuracy_reward not in known:
             raise ValueError(f"accuracy_reward: {self.accuracy_reward!r} is not one of the reward labels {known}")
 
+    def critic_layout_refusal(self, parallel: Any) -> Optional[str]:
+        """Why the `[parallel]` layout cannot hold PPO's critic (the message starts with the key; None when it can,
+        or when `advantage` needs no critic): the critic is a plain module replicated on every data-parallel rank.
+        Checked when the config loads (megatron_vlm/config/__init__.py), so such a run stops before any rank loads
+        the policy; the critic's builder asks again (rl/critic/build.py `critic_refusal`)."""
+        from megatron_vlm.rl.algorithms.advantage_estimators import needs_critic
+
+        if not needs_critic(self.advantage):
+            return None
+        for key in ("tp", "cp", "pp", "ep"):
+            if getattr(parallel, key, 1) > 1:
+                return (f"parallel.{key}: {getattr(parallel, key)} with advantage = {self.advantage!r}: PPO's critic "
+                        f"runs replicated on every data-parallel rank only so far; set parallel.{key} = 1 or use a "
+                        "group estimator ('grpo', 'dr_grpo', 'rloo')")
+        if getattr(parallel, "backend", "native") == "mcore":
+            return (f"parallel.backend: 'mcore' with advantage = {self.advantage!r}: PPO's critic runs on the native "
+                    "layers only so far; set parallel.backend = 'native'")
+        return None
+
     def critic_warmup_refusal(self, total_steps: Optional[int]) -> Optional[str]:
         """Why `[rl.critic] warmup_steps` cannot serve a run of `total_steps` steps (None when it can, or when the
         length is not known yet): critic-only steps for the whole run would leave the policy, and its export, as

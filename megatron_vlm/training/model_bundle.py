@@ -21,6 +21,7 @@ from megatron_vlm.errors import ConfigError
 from megatron_vlm.models import get_family
 from megatron_vlm.models.common.mamba2 import Mamba2Mixer
 from megatron_vlm.models.common.moe import moe_layers
+from megatron_vlm.models.common.parallel_plan import check_expert_parallel
 from megatron_vlm.models.mcore.layer import use_mcore_layers
 from megatron_vlm.parallel import ParallelDims, build_mesh
 from megatron_vlm.parallel.collectives import all_reduce_
@@ -151,6 +152,8 @@ def build_model_bundle(ctx: RunContext, *, root: Callable[[torch.nn.Module], Any
             setup_lora(model, lora, model.hf_config)
         except (ValueError, FileNotFoundError) as e:  # a wrong [lora] key / adapter folder: exit 2, like a config error
             raise LoRASetupError(str(e)) from None
+    # parallel.ep the model cannot take: exit 2 before the megatron-core conversion or the expert plan shards anything
+    check_expert_parallel(model, str(model.hf_config.get("model_type")), dims.ep)
     if cfg.parallel.backend == "mcore":  # megatron-core decoder layers, converted from the loaded weights; after
         # [lora] (targets, init_from, merge on the native layers): each layer takes over its native adapters' factors
         ep_mesh = build_ep_mesh(dims, env.device.type) if dims.ep > 1 else None  # the native ep groups (collective)

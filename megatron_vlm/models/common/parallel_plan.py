@@ -33,7 +33,7 @@ from megatron_vlm.models.mcore.ep_shard import ep_expert_parameters
 from megatron_vlm.parallel import apply_ep, expert_parameters, parallelize_blocks
 from megatron_vlm.parallel.apply import apply_input_casts
 from megatron_vlm.parallel.context_parallel import ContextParallel, apply_cp
-from megatron_vlm.parallel.mesh import build_ep_mesh
+from megatron_vlm.parallel.mesh import LayoutError, build_ep_mesh
 from megatron_vlm.parallel.tensor_parallel import apply_tp
 
 log = logging.getLogger("megatron_vlm")
@@ -87,12 +87,13 @@ def make_parallelize(
             if size and size > 1:
                 suffix = f" ({note})" if note else ""
                 raise NotImplementedError(f"parallel.{dim}={size}: not implemented for {family} yet{suffix}")
+        ep = getattr(parallel_dims, "ep", 1) if parallel_dims is not None else 1
+        check_expert_parallel(model, family, ep)  # before anything is placed: a LayoutError is exit 2
         tp = getattr(parallel_dims, "tp", 1) if parallel_dims is not None else 1
         if tp > 1:
             if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
                 raise NotImplementedError(f"parallel.tp={tp}: tensor parallelism needs the world device mesh")
             apply_tp(model, mesh["tp"], layer_children=tp_layer_children, embedding=tp_embedding)
-        ep = getattr(parallel_dims, "ep", 1) if parallel_dims is not None else 1
         ignored = None
         if ep > 1:
             _apply_expert_parallel(model, family, parallel_dims, mesh)
@@ -112,14 +113,29 @@ def make_parallelize(
     return parallelize
 
 
+def check_expert_parallel(model: nn.Module, family: str, ep: int) -> None:
+    """LayoutError (a config error: exit 2) when `parallel.ep` = `ep` > 1 cannot split `model`'s routed experts: a
+    model without MoE blocks, or an expert count `ep` does not divide (each rank must hold as many experts). The
+    job's own form of `--check`'s refusal (plan/check.py), found before anything is sharded; without it the expert
+    plan's ValueError left every rank with a traceback and exit 1."""
+    if ep <= 1:
+        return
+    layers = moe_layers(model)
+    if not layers:
+        raise LayoutError(f"parallel.ep: {ep}: the {family} model has no MoE blocks (expert parallelism splits routed "
+                          "experts); set parallel.ep = 1")
+    for n in sorted({layer.num_experts for layer in layers}):
+        if n % ep:
+            raise LayoutError(f"parallel.ep: {ep} does not divide the model's {n} routed experts per MoE block (each "
+                              "rank holds the same number); set parallel.ep to a divisor of it")
+
+
 def _apply_expert_parallel(model: nn.Module, family: str, parallel_dims, mesh) -> None:
     layers = moe_layers(model)
     if layers and ep_expert_parameters(model):  # parallel.backend = "mcore": its MoE layers were built sharded
         log.info("expert parallelism: %d megatron-core MoE layers, %d of %d routed experts per rank (parallel.ep=%d)",
                  len(layers), layers[0].num_experts // parallel_dims.ep, layers[0].num_experts, parallel_dims.ep)
         return
-    if not layers:
-        raise ValueError(f"parallel.ep={parallel_dims.ep}: the {family} model has no MoE blocks to shard")
     if mesh is None:
         raise NotImplementedError(f"parallel.ep={parallel_dims.ep}: expert parallelism without a device mesh "
                                   "(one process, no FSDP) is not supported; run it under torchrun")

@@ -42,17 +42,9 @@ _SAME_VISION_KEYS = ("patch_size", "spatial_merge_size", "temporal_patch_size", 
 
 
 def critic_refusal(cfg: Any) -> Optional[str]:
-    """Why this run's parallel layout cannot hold the critic (the message names the key); None when it can."""
-    par = cfg.parallel
-    for key in ("tp", "cp", "pp", "ep"):
-        if getattr(par, key, 1) > 1:
-            return (f"parallel.{key}: {getattr(par, key)} with advantage = {cfg.rl.advantage!r}: PPO's critic runs "
-                    "replicated on every data-parallel rank only so far; set parallel.{key} = 1 or use a group "
-                    "estimator ('grpo', 'dr_grpo', 'rloo')").replace("{key}", key)
-    if par.backend == "mcore":
-        return (f"parallel.backend: 'mcore' with advantage = {cfg.rl.advantage!r}: PPO's critic runs on the native "
-                "layers only so far; set parallel.backend = 'native'")
-    return None
+    """Why this run's parallel layout cannot hold the critic (the message names the key); None when it can. The
+    config loader refuses these already (`RLConfig.critic_layout_refusal`); asked again for a config built in code."""
+    return cfg.rl.critic_layout_refusal(cfg.parallel)
 
 
 def _text(cfg: dict) -> dict:

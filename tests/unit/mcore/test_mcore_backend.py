@@ -121,6 +121,11 @@ def test_a_transformer_engine_that_does_not_import_gives_the_local_spec_and_says
     import logging
     import sys
 
+    # megatron-core's layer specs imported first, with the real environment: imported under the stand-in below
+    # they would take it for Transformer Engine and stay cached that way, and every megatron-core layer built later
+    # in this process would fail ("isinstance() arg 2 must be a type") when this test ran first on a worker
+    from megatron.core.models.gpt import gpt_layer_specs  # noqa: F401
+
     from megatron_vlm.models.mcore import layer as mcore_layer
 
     pkg = tmp_path / "transformer_engine"

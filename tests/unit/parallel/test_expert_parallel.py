@@ -209,5 +209,8 @@ def test_ep_on_a_model_without_moe_blocks_is_an_error():
     model.language_model = torch.nn.Module()
     model.language_model.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
     model.transformer_blocks = lambda: list(model.language_model.layers)
-    with pytest.raises(ValueError, match="parallel.ep=2: the dense_family model has no MoE blocks"):
+    from megatron_vlm.errors import ConfigError
+
+    # a config error (exit 2 naming the key), not a traceback: tests/integration/parallel/test_ep_errors.py
+    with pytest.raises(ConfigError, match="parallel.ep: 2: the dense_family model has no MoE blocks"):
         parallelize(model, ParallelDims(1, 2, 2, ep=2), None)

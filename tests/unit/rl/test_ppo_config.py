@@ -97,6 +97,17 @@ def test_an_internvl_chat_critic_folder_must_read_the_policys_prompts():
     assert msg is not None and "image_size" in msg, msg
 
 
+@pytest.mark.parametrize("sets, key", [("parallel.tp=2", "parallel.tp"), ("parallel.cp=2", "parallel.cp"),
+                                       ("parallel.ep=2", "parallel.ep"), ('parallel.backend="mcore"', "parallel.backend")])
+def test_the_config_loader_refuses_those_layouts(sets, key):
+    """At load time (exit 2 from the entry point and --check alike), as reward-model training's layouts are: found
+    only when the critic was built, such a run first loaded and sharded the policy on every rank."""
+    from megatron_vlm.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=rf"^{key}: .*PPO's critic"):
+        load_config(PPO_DEMO, [sets])
+
+
 def _check(tmp_path, *sets: str) -> subprocess.CompletedProcess:
     sets = (f'model.path="{tmp_path / "m"}"', 'model.synthesize="tiny_qwen2_5_vl"', *sets)
     args = [a for s in sets for a in ("--set", s)]

@@ -36,10 +36,25 @@ from megatron_vlm.inference.engine import RolloutPrompt
 from megatron_vlm.inference.slot_run import SlotRun, resume_prompt
 from megatron_vlm.models.common.slot_cache import PagedSlotCache
 
-__all__ = ["Admission"]
+__all__ = ["Admission", "headroom_blocks", "pool_for_every_slot"]
 
 # prefill(prompts) -> (padded prefill cache, logits of the last position [P, V], routes [P, T, layers, k] or None)
 Prefill = Callable[[Sequence[RolloutPrompt]], tuple]
+
+
+def headroom_blocks(num_blocks: int) -> int:
+    """The blocks a waiting sample must leave free on a pool of `num_blocks` while others run (for them to grow): 1 % of
+    the pool, at least one."""
+    return max(1, num_blocks // 100)
+
+
+def pool_for_every_slot(num_slots: int, blocks_per_slot: int) -> int:
+    """The smallest pool in which every slot can hold its full length (+ the scratch slot's block) and a waiting sample
+    is still admitted with the headroom (`headroom_blocks`) when all the others are at full length: it never makes a
+    sample wait or preempts one, so samples are admitted as into the slot cache (and draw the same random numbers).
+    Without the headroom blocks the last slot's sample waited whenever its prompt filled a slot's blocks."""
+    base = 1 + num_slots * blocks_per_slot
+    return base + base // 99 + 1  # extra e >= max(1, (base + e) // 100)
 
 
 class Admission:
@@ -172,7 +187,7 @@ class Admission:
         while others run, for them to grow."""
         run = self.run
         done = len(run.preempted[sample].tokens) if sample in run.preempted else 0
-        return len(self.prompts[sample // self.n]) + done + 1, max(1, self.cache.num_blocks // 100) if busy else 0
+        return len(self.prompts[sample // self.n]) + done + 1, headroom_blocks(self.cache.num_blocks) if busy else 0
 
     def grow(self, running: list[int]) -> list[int]:
         """Give every running slot whose sequence reached the end of its blocks one more (on-demand paged cache),

@@ -76,7 +76,7 @@ class EngineOptions:
     kv_block_size: int = 0
     """> 0: a paged KV cache of blocks of this many positions (attention-only models)."""
     kv_cache_blocks: int = 0
-    """Blocks of the paged KV cache (0 = enough for every slot at full length)."""
+    """Blocks of the paged KV cache (0 = enough for every slot at full length and the admission headroom)."""
     cuda_graphs: str = "off"
     """"auto" | "on" | "off": decode steps on static buffers, captured as CUDA graphs (inference/policy_engine.py's
     module docstring). "off" here (tests and benchmarks opt in); the GRPO jobs pass `rl.rollout.cuda_graphs`."""

@@ -77,7 +77,7 @@ import torch
 
 from megatron_vlm.abandon import Patience, WaitAbandoned
 from megatron_vlm.host_copies import move
-from megatron_vlm.inference.admission import Admission
+from megatron_vlm.inference.admission import Admission, pool_for_every_slot
 from megatron_vlm.inference.cpu_packed_experts import PackedExperts, fused_experts_available
 from megatron_vlm.inference.cpu_packed_linear import PackedLinears, packing_available
 from megatron_vlm.inference.decode_graphs import DecodeStepRunner, GraphUnsafeError
@@ -207,7 +207,7 @@ class PolicyRolloutEngine(RolloutEngine):
             if why_not_paged:
                 raise PagedKVConfigError(f"rl.rollout.kv_block_size: {kv_block_size} (the paged KV cache) is not possible: {why_not_paged}")
             log.info("rollout KV cache: paged, %d positions per block, pool of %s", kv_block_size,
-                     f"{kv_cache_blocks} blocks" if kv_cache_blocks else "1 + slots x blocks per slot (derived per batch)")
+                     f"{kv_cache_blocks} blocks" if kv_cache_blocks else "every slot at full length + the admission headroom (derived per batch)")
         self.kv_block_size, self.kv_cache_blocks = kv_block_size, kv_cache_blocks
         if cuda_graphs not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graphs: must be one of {CUDA_GRAPH_MODES}, got {cuda_graphs!r}")
@@ -610,10 +610,11 @@ class PolicyRolloutEngine(RolloutEngine):
 
     def _new_cache(self, num_slots: int, max_len: int, dev) -> SlotCache:
         """An empty slot cache of `num_slots` slots (+ the scratch one) of `max_len` positions, or with `kv_block_size`
-        the paged pool (`kv_cache_blocks` blocks, or enough for every slot at full length)."""
+        the paged pool (`kv_cache_blocks` blocks, or `pool_for_every_slot`: every slot at full length, admitted as into
+        the slot cache)."""
         if self.kv_block_size:
             bs = self.kv_block_size
-            blocks = self.kv_cache_blocks or 1 + num_slots * -(-max_len // bs)
+            blocks = self.kv_cache_blocks or pool_for_every_slot(num_slots, -(-max_len // bs))
             storage = self.model.new_cache(blocks, bs, dtype=self.cache_dtype, device=dev)
             return self.with_options(PagedSlotCache(storage, num_slots, max_len))
         return self.with_options(SlotCache(self.model.new_cache(num_slots + 1, max_len, dtype=self.cache_dtype, device=dev)))

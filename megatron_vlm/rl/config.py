@@ -202,8 +202,8 @@ class RLRolloutConfig:
     across turns). Read by every engine of the job: synchronous and asynchronous GRPO rollouts and [rl.eval]."""
     kv_cache_blocks: int = 0
     """Blocks in the paged KV cache's pool (with rollout.kv_block_size >= 2; 0 = derived: 1 + slots x
-    ceil((longest prompt + budget) / rollout.kv_block_size), room for every slot at full length, so memory is the
-    slot cache's). Set: the pool fixes the rollout's KV memory whatever the slot count
+    ceil((longest prompt + budget) / rollout.kv_block_size), room for every slot at full length, plus the admission
+    headroom (~1 %), so memory is the slot cache's and samples are admitted, and draw, as there). Set: the pool fixes the rollout's KV memory whatever the slot count
     (rollout.batch_prompts x batch.group_size) and a waiting sample is admitted when the blocks of its prompt
     are free besides a headroom of 1 % of the pool, so many more slots than full-length sequences fit can run
     (set rollout.batch_prompts large: completions shorter than the budget hold only what they generated);

@@ -54,3 +54,23 @@ def test_pool_too_small_is_refused_and_blocks_are_returned(setup):
     assert not cache.can_reserve(5) and cache.can_reserve(4)
     cache.release(0)
     assert cache.can_reserve(12) and len(cache.free_blocks) == 4
+
+
+def test_the_derived_pool_admits_as_the_slot_cache_when_prompts_fill_whole_blocks(setup):
+    """The derived pool (`kv_cache_blocks` unset) holds every slot at full length, and a waiting sample is admitted
+    only with a headroom of free blocks besides its own: prompts whose blocks equal a slot's full length (here 50
+    tokens + 6 in slots of 64 positions, 4 blocks of 16 each) left the last slot's sample waiting a token for that
+    headroom, which moved every later random number to another sample: sampled tokens no longer the slot cache's.
+    The derived pool now counts the headroom too."""
+    from megatron_vlm.inference.engine import RolloutPrompt
+
+    model, _ = setup
+    g = torch.Generator().manual_seed(11)
+    prompts = [RolloutPrompt(torch.randint(1, 100, (50,), generator=g)) for _ in range(2)]
+    params = SamplingParams(max_new_tokens=6, n=4, temperature=1.0)
+    ref = _generate(model, prompts, params)
+    for bs in (16, 32):
+        got = _generate(model, prompts, params, kv_block_size=bs)
+        assert [s.token_ids.tolist() for s in got] == [s.token_ids.tolist() for s in ref], bs
+        for a, b in zip(ref, got):
+            torch.testing.assert_close(b.logprobs, a.logprobs, atol=1e-5, rtol=0)

@@ -158,6 +158,9 @@ def run_grpo(ctx: RunContext, *, before_step=None) -> int:
     if role is not None and role.is_rollout:
         return run_rollout_rank(ctx, role)
     bundle = build_model_bundle(ctx)
+    idle = cfg.rl.data_shards_refusal(bundle.dims.dp_size) if role is None else None  # the mesh's size, now known
+    if idle:
+        raise ConfigError(idle)
     check_moe_section(cfg, bundle.model, bundle.layer_kinds)
     parts = build_grpo_parts(ctx, bundle)
     rl = cfg.rl

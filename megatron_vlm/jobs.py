@@ -158,6 +158,9 @@ def run_grpo(ctx: RunContext, *, before_step=None) -> int:
     if role is not None and role.is_rollout:
         return run_rollout_rank(ctx, role)
     bundle = build_model_bundle(ctx)
+    idle = cfg.rl.data_shards_refusal(bundle.dims.dp_size) if role is None else None  # the mesh's size, now known
+    if idle:
+        raise ConfigError(idle)
     check_moe_section(cfg, bundle.model, bundle.layer_kinds)
     parts = build_grpo_parts(ctx, bundle)
     rl = cfg.rl
@@ -173,7 +176,8 @@ def run_grpo(ctx: RunContext, *, before_step=None) -> int:
         if role is not None:
             step = AsyncGRPOLoopStep(ctx, parts.sets.train, grpo, role, model=bundle.model, encoder=parts.encoder,
                                      start_step=resume.step if resume is not None else 0, total_steps=num_steps,
-                                     evaluate=evaluate, bad_records=parts.bad_records)
+                                     evaluate=evaluate, bad_records=parts.bad_records,
+                                     resume_data=resume.data if resume is not None else None)
         else:
             step = GRPOLoopStep(ctx, parts.sets.train, grpo, evaluate, bad_records=parts.bad_records)
         code = run_loop(ctx, step, total_steps=num_steps, checkpointer=checkpointer, metrics=metrics,

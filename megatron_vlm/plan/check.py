@@ -180,6 +180,10 @@ def plan_run(cfg, *, world_size: int, device_memory_gib: float) -> list[str]:
         raise CheckFailed("parallel.fsdp", f"false runs one process; this run has {world_size}"
                                            f"{' training' if rollout_ranks else ''} ranks (use \"auto\")")
     rep, shard = _layout(cfg, world_size, num_experts)
+    idle = cfg.rl.data_shards_refusal(rep * shard) if cfg.train.mode == "grpo" and not rollout_ranks else None
+    if idle:  # the job's own refusal once its mesh is built (jobs.run_grpo)
+        key, _, why = idle.partition(": ")
+        raise CheckFailed(key, why)
     tp = getattr(cfg.parallel, "tp", 1)
     try:
         check_tp_divides(model, tp)

@@ -5,7 +5,14 @@ Why in the update and not with the group advantages: `reinforce_plus_plus` folds
 reward, r_t = -kl_coef x KL_t + [t = last] score, KL_t = loss.kl_estimator(log pi_old(y_t), log pi_ref(y_t))
 (`reinforce_plus_plus_baseline` too with `advantages.kl_in_reward = true`; either without it with false), and
 the reference log-probs exist only after the reference forward of the update (as PPO's critic rewards,
-rl/critic/rewards.py). The score is the completion's group-stage advantage (`TrainSample.advantage`: its reward for
+rl/critic/rewards.py).
+
+pi_old in KL_t is the policy that generated the samples (REINFORCE++'s and OpenRLHF's: the actor's log-probs when the
+experience is made, before any update): `TrainSample.old_logp` in the synchronous loop (the rollout's behaviour
+log-probs, or their training-side recompute with `rl.recompute_logprobs`: the same weights), but the behaviour
+log-probs `behav_logp` in asynchronous GRPO with stale samples (`asynchronous.max_head_offpolicyness` > 0), where
+`old_logp` becomes the proximal policy (the trainer's newer weights) when several mini-batches recompute it; one
+update per step or several, the rewards are the same. The score is the completion's group-stage advantage (`TrainSample.advantage`: its reward for
 `reinforce_plus_plus`, its reward minus its group's mean for `reinforce_plus_plus_baseline`).
 
 Global normalisation: the mean and the unbiased variance are taken over every trained response token of the step on
@@ -53,6 +60,8 @@ class BatchAdvantages:
         self.shards = shards
         self.kl_coef = float(rl.loss.kl_coef) if kl_in_reward(rl.advantage, rl.advantages.kl_in_reward) else 0.0
         self.kl_estimator = rl.loss.kl_estimator
+        # the decoupled loss of asynchronous GRPO: old_logp may be the proximal policy, not the generating one
+        self.generating_is_behav = rl.allocation is not None and rl.asynchronous.max_head_offpolicyness > 0
         gamma = rl.advantages.gamma
         self.gamma = GAE_DEFAULT_GAMMA if gamma is None else float(gamma)
         self.whiten = resolve_normalize_std(rl.advantage, rl.advantages.normalize_std)
@@ -61,7 +70,8 @@ class BatchAdvantages:
         """(float64 [response_length] per-token rewards of sample `s`, its summed KL_t as a float32 0-d tensor, None
         without the KL in the reward). The sum stays a tensor: `returns` reads the step's sums at once."""
         ref = s.ref_logp if self.kl_coef > 0 else None
-        r, kl = token_rewards(s.advantage, s.response_length, old_logp=s.old_logp if ref is not None else None,
+        generating = s.behav_logp if self.generating_is_behav else s.old_logp  # pi_old (module docstring)
+        r, kl = token_rewards(s.advantage, s.response_length, old_logp=generating if ref is not None else None,
                               ref_logp=ref, kl_coef=self.kl_coef, kl_estimator=self.kl_estimator)
         return r.double(), kl.sum() if kl is not None else None
 

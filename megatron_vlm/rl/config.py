@@ -1092,6 +1092,20 @@ class RLConfig:
                     "layers only so far; set parallel.backend = 'native'")
         return None
 
+    def data_shards_refusal(self, dp_size: int) -> Optional[str]:
+        """Why synchronous GRPO cannot deal `batch.prompts_per_step` prompts over `dp_size` data-parallel ranks (the
+        message starts with the key; None when it can, or for the asynchronous loop, which checks its own training
+        ranks in config/mode_keys.py): each rank generates and trains on prompts r, r + dp, ... of a step (a dynamic
+        sampling round has as many), so with fewer prompts than ranks the last ones would run a dummy round (loss x 0)
+        at every step, their compute wasted without a word. Asked where the size is known: the job once its mesh is
+        built (jobs.run_grpo), `--check` with its planned layout."""
+        if self.allocation is not None or dp_size <= 1 or self.batch.prompts_per_step >= dp_size:
+            return None
+        return (f"rl.batch.prompts_per_step: {self.batch.prompts_per_step} prompts per step for {dp_size} data-parallel "
+                f"ranks: ranks {self.batch.prompts_per_step}..{dp_size - 1} would get no prompt and train on a dummy "
+                f"(loss x 0) at every step; set it to >= {dp_size} (a multiple of {dp_size} shares the work evenly) or "
+                "run fewer data-parallel ranks (more parallel.tp / parallel.cp, or fewer processes)")
+
     def critic_warmup_refusal(self, total_steps: Optional[int]) -> Optional[str]:
         """Why `[rl.critic] warmup_steps` cannot serve a run of `total_steps` steps (None when it can, or when the
         length is not known yet): critic-only steps for the whole run would leave the policy, and its export, as

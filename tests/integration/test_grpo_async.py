@@ -7,7 +7,8 @@ tiny random Qwen2.5-VL, synthetic VQA prompts).
   checkpoint (the rollout in flight is dropped and generated again; marked heavy: three jobs);
 - max_head_offpolicyness = 2: the rollout runs ahead (samples up to 2 versions old arrive), the
   trainer's per-token check never fires, and the decoupled loss reports its importance weights
-  (heavy, like the SIGTERM run: CI runs the k = 0 comparison, ~45 s, and tests/unit/rl/test_async_*.py).
+  (heavy, like the SIGTERM run: CI runs the k = 0 comparison, ~45 s, and tests/unit/rl/test_async_*.py);
+- a resume past `train.max_steps` exits 2 on both ranks with the one line, before any weight push (heavy).
 """
 from __future__ import annotations
 
@@ -138,3 +139,20 @@ def test_tensor_or_context_parallel_training_ranks_train_like_one(tmp_path, key)
     for g, w in zip(got, want):
         for name in COMPARED:
             assert float(g[name]) == pytest.approx(float(w[name]), rel=1e-3, abs=1e-5), (g["step"], name)
+
+
+@pytest.mark.heavy  # 2 jobs; CI runs tests/unit/rl/test_async_resume_refusal.py (the trainer's and a rollout rank's side)
+def test_a_resume_past_the_end_exits_2_on_every_rank_before_the_weight_push(tmp_path):
+    assets = tmp_path / "assets"
+    out = tmp_path / "async"
+    sets = _tiny(out, assets, **{"rl.allocation": '"rollout:1+train:1"', "train.max_steps": "2",
+                                 "checkpoint.every_steps": "2"})
+    run_job(sets, nproc=2, config=GRPO_DEMO)
+    assert (out / "checkpoints" / "step_2" / "COMPLETE").is_file()
+    r = run_job([*sets, "train.max_steps=1"], nproc=2, config=GRPO_DEMO, check=False)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("config error:")]
+    # the training rank and the rollout rank both exit 2 (torchrun itself exits 1 when a rank fails)
+    assert r.returncode != 0 and len(errors) == 2 and "exitcode  : 1 " not in r.stderr, r.stderr[-3000:]
+    assert all(e.startswith("config error: train.max_steps: the checkpoint resumed is at step 2, past this run's 1")
+               for e in errors), errors
+    assert "weights of step 2 pushed" not in r.stderr

@@ -20,7 +20,9 @@ prompt stream, an inference copy of the policy, the reward workers and the bridg
   receiver; a "want" still open when the rank stops is answered with a "stopped" payload, so the
   trainer's receive of it ends too.
 
-Exit: the trainer's "stop" message (end of the run, or a SIGTERM stop: then 143 like every rank). A SIGTERM that
+Exit: the trainer's "stop" message (end of the run, or a SIGTERM stop: then 143 like every rank). A resume the
+trainer refuses (a checkpoint past `train.max_steps`, another prompt order) comes as "refused" in place of the start
+message: the rank exits 2 with the trainer's line before it loads anything. A SIGTERM that
 reaches only a rollout rank goes to the trainer with that rank's next step (`signum`): the trainer then stops the job
 at its step boundary with a checkpoint, as for a SIGTERM of its own. A
 trainer that dies makes the weight thread's receive fail: the rank logs the error and exits 1. A scoring
@@ -51,6 +53,7 @@ from megatron_vlm.checkpoint.hf import load_hf_model
 from megatron_vlm.data.bad_records import BadRecordLog
 from megatron_vlm.data.media import MediaLimits
 from megatron_vlm.data.processor import load_processor
+from megatron_vlm.errors import ConfigError
 from megatron_vlm.inference.engine import SamplingParams
 from megatron_vlm.inference.generators import sampling_generator
 from megatron_vlm.inference.kv_budget import kv_bytes_per_slot, rollout_prompts_for_budget
@@ -113,6 +116,8 @@ def run_rollout_rank(ctx: RunContext, role: Role) -> int:
     if bridge is None:
         raise RuntimeError("asynchronous GRPO: a rollout rank without its bridge to the trainer")
     hello = bridge.broadcast_object()  # the trainer has built its prompt sets and loaded its checkpoint
+    if hello.get("kind") == "refused":  # the trainer refused its resume point (exit 2 there): the same line, nothing loaded
+        raise ConfigError(str(hello["error"]))
     start, total = int(hello["start_step"]), int(hello["total_steps"])
     dtype = compute_dtype(cfg.train.precision, getattr(torch, cfg.model.dtype), env.device)
     # the trainer's processor (training/model_bundle.py), video limits included: the same prompts, the same tokens

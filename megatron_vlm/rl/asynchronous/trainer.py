@@ -58,12 +58,13 @@ from megatron_vlm.rl.asynchronous.prompt_check import check_same_prompt
 from megatron_vlm.rl.asynchronous.weights import push_weights, trainable_names
 from megatron_vlm.rl.grpo_step import GRPOStep
 from megatron_vlm.rl.metrics import PhaseTimer
+from megatron_vlm.rl.prompts.data_state import grpo_data_state_refusal
 from megatron_vlm.rl.prompts.shard import EncodedShard, PromptEncoding
 from megatron_vlm.rl.rewards.failure_watch import RewardsAllFailedError
 from megatron_vlm.rl.rounds import Round, shape_round
 from megatron_vlm.rl.trainer import GRPOLoopStep, has_moe_report
 from megatron_vlm.training.context import RunContext
-from megatron_vlm.training.loop import StopAfterStep
+from megatron_vlm.training.loop import StopAfterStep, past_the_end
 from megatron_vlm.training.signals import StepAbandoned
 
 __all__ = ["AsyncGRPOLoopStep", "StalenessError"]
@@ -128,7 +129,11 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
 
     def __init__(self, ctx: RunContext, train_set: Any, grpo: GRPOStep, role: Role, *, model: torch.nn.Module,
                  encoder: PromptEncoding, start_step: int, total_steps: int,
-                 evaluate: Optional[Callable[[int], Optional[dict]]] = None, bad_records: Optional[BadRecordLog] = None):
+                 evaluate: Optional[Callable[[int], Optional[dict]]] = None, bad_records: Optional[BadRecordLog] = None,
+                 resume_data: Optional[dict] = None):
+        """`start_step`: the resume point's step (0: a fresh run); `resume_data`: its checkpoint's data state (None: a
+        fresh run). A resume the loop would refuse is refused here, before the start message and the weight push
+        (`_refuse_resume`)."""
         super().__init__(ctx, train_set, grpo, evaluate, bad_records=bad_records)
         self.role, self.model, self.encoder = role, model, encoder
         self.advantage = AdvantageSpec.from_config(self.rl)
@@ -139,12 +144,28 @@ class AsyncGRPOLoopStep(GRPOLoopStep):
         self.total_steps = total_steps
         self._prefetch: Optional[_Prefetch] = None
         self._last_end = time.perf_counter()
+        self._refuse_resume(start_step, resume_data)
         if self.bridge is not None:
             self.bridge.broadcast_object({"kind": "hello", "start_step": start_step, "total_steps": total_steps,
                                           "num_prompts": len(train_set)})
         self.push_s = push_weights(model, self.bridge, start_step)
         log.info("asynchronous GRPO: %d rollout + %d training ranks, max_head_offpolicyness %d, weights of step %d pushed "
                  "(%.2f s)", role.allocation.rollout, role.allocation.train, self.k, start_step, self.push_s)
+
+    def _refuse_resume(self, start_step: int, resume_data: Optional[dict]) -> None:
+        """ConfigError (exit 2) for a resume `run_loop` would refuse (a checkpoint past the run's steps, another prompt
+        order), found before the rollout ranks load any weights: training rank 0 sends them the line in place of the
+        start message ("refused"), and every rank exits 2 with it. Every training rank decides alike (the same
+        checkpoint and config); `run_loop` checks the same again for a resume that passes."""
+        why = past_the_end(start_step, self.total_steps) if start_step > self.total_steps else None
+        if why is None and resume_data is not None:
+            why = grpo_data_state_refusal(resume_data, **self._order(), data_files=self._data_files(),
+                                          prompt_lengths=self._prompt_lengths())
+        if not why:
+            return
+        if self.bridge is not None:
+            self.bridge.broadcast_object({"kind": "refused", "error": why})
+        raise ConfigError(why)
 
     # ------------------------------------------------------------------ one step
     def _receive(self, step: int) -> list[dict]:

@@ -540,3 +540,14 @@ def test_check_of_a_grpo_run_without_its_model_folder_says_how_to_make_it(tmp_pa
                                                         'rl.model_path_hint="run the SFT demo first"'], 1)
     assert code == 2 and err.startswith("check failed: model.path: ") and err.rstrip().endswith(
         "; run the SFT demo first"), err
+
+
+def test_check_refuses_sync_grpo_with_fewer_prompts_than_data_parallel_ranks(qwen2_5_vl_3b):
+    """8 ranks / parallel.cp 2 = 4 data-parallel ranks: 3 prompts per step would idle one at every step (the job's
+    own refusal, rl/config.py data_shards_refusal, found here before any rank starts); 4 plan."""
+    cfg = CONFIGS / "qwen2_5_vl_3b_geometry3k_grpo_cp2.toml"
+    code, _, err = _check(cfg, [f'model.path="{qwen2_5_vl_3b}"', "rl.batch.prompts_per_step=3"], 8)
+    assert code == 2 and err.startswith("check failed: rl.batch.prompts_per_step: 3 prompts per step for 4 "
+                                        "data-parallel ranks"), err
+    code, _, err = _check(cfg, [f'model.path="{qwen2_5_vl_3b}"', "rl.batch.prompts_per_step=4"], 8)
+    assert code == 0, err

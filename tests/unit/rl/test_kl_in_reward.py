@@ -163,3 +163,28 @@ def test_gspo_is_refused_where_the_kl_in_the_reward_makes_the_advantages_per_tok
         load_config(GRPO_DEMO, [f'rl.advantage="{BASE}"', kl, "rl.advantages.kl_in_reward=true", 'rl.policy_loss="gspo"'])
     ok = load_config(GRPO_DEMO, [f'rl.advantage="{BASE}"', kl, 'rl.policy_loss="gspo"'])
     assert ok.rl.policy_loss == "gspo"
+
+
+@pytest.mark.parametrize("estimator, group_size", [(RPP, 1), (BASE, 2)])
+def test_asynchronous_kl_in_the_reward_reads_the_policy_that_generated(estimator, group_size):
+    """Asynchronous GRPO with stale samples (max_head_offpolicyness > 0): `old_logp` is the proximal policy (the
+    trainer's weights before the update) once recomputed (several mini-batches), but still the behaviour log-probs
+    when a single update takes the proximal ones from its own forward. KL_t in the reward is the KL of the policy
+    that generated the samples (REINFORCE++'s pi_old, OpenRLHF's experience-time log-probs): the behaviour log-probs
+    in both cases, so the advantages do not depend on how many mini-batches the step has."""
+    rewards, behavs, refs = _batch(11, 6)
+    proximal = [b + torch.linspace(-0.4, 0.3, b.numel()) for b in behavs]  # a newer policy than the one that sampled
+    rl = rl_config(validate=True, advantage=estimator, group_size=group_size, loss__kl_coef=0.2,
+                   loss__kl_estimator="k1", advantages__kl_in_reward=True, allocation="rollout:1+train:1",
+                   asynchronous__max_head_offpolicyness=2)
+    want = _reference(rewards, behavs, refs, group_size=group_size, beta=0.2, gamma=1.0, kl_estimator="k1",
+                      baseline=estimator == BASE, whiten=True)
+    kl = torch.cat([_kl(b.double(), r.double(), "k1") for b, r in zip(behavs, refs)])
+    for olds in (proximal, behavs):  # recomputed (mini_batches_per_step > 1) / from the update's forward (one update)
+        samples = _samples(rewards, olds, refs, estimator=estimator, group_size=group_size)
+        for s, b in zip(samples, behavs):
+            s.behav_logp = b.clone()
+        metrics = BatchAdvantages(rl, ONE).prepare(samples)
+        for s, w in zip(samples, want):
+            torch.testing.assert_close(s.token_advantages.double(), w, rtol=1e-5, atol=1e-6)
+        assert metrics["advantage/kl_in_reward"] == pytest.approx(float(kl.mean()), rel=1e-5)

@@ -10,7 +10,8 @@ first) failed the same way.
 
 How: each side of a transfer counts it on the launcher's store before the transfer (`ring`): the sender's "sent"
 count, then each receiver's "ready" count; a side posts its gloo call once the other side's count has reached that
-transfer (`wait_for`), so the gloo call itself waits only for the data, within the timeout. While it waits it reads
+transfer (`wait_for`) and, a receiver of a broadcast, once every receiver has counted it ready, so the gloo call
+itself waits only for the data, within the timeout. While it waits it reads
 the other ends' heartbeats: every bridge process adds 1 to its own "alive" count every `beat_s` seconds from a
 thread of its own (`Doorbells`), and a peer whose count has not moved for `silent_s` seconds (its process ended,
 was killed, or its node is gone) ends the wait with `PeerSilent`. The store is only read by short calls (no

@@ -1,11 +1,13 @@
 """A control message of the asynchronous GRPO bridge reaches every rollout rank, however late one of them arrives, and
 the trainer's send fails with an error naming a rollout rank that is gone (and the other rollout ranks' waits once the
-trainer has ended).
+trainer has ended); and a store whose host has gone fails a wait at once.
 
-Why: the trainer (bridge rank 0) broadcasts to N rollout ranks, so its send may start only once every one of them has
-counted itself ready (the "ready" count of transfer n is n x N, rl/asynchronous/doorbell.py); were it to start at the
-first one's count, a rollout rank still busy past the gloo timeout would fail the job, the failure the handshake is
-there to prevent. The trainer waits on N peers at once, so a peer whose process is gone must end that wait too.
+Why: the trainer (bridge rank 0) broadcasts to N rollout ranks; its send starts once every one of them has counted
+itself ready (the "ready" count of transfer n is n x N, rl/asynchronous/doorbell.py), and a receiver must not post its
+gloo receive before that either: the first rollout rank to arrive then waited in gloo for the last one, and a rank
+that reached a message more than the gloo timeout after another (the first weight push, after each rank's own
+start-up) failed a healthy job. The trainer waits on N peers at once, so a peer whose process is gone must end that
+wait too.
 
 Three bridge ends in one process (threads, each with a store client of its own), a gloo timeout of 0.5 s."""
 from __future__ import annotations
@@ -99,3 +101,21 @@ def test_the_trainers_send_fails_on_a_rollout_rank_without_a_sign_of_life():
     finally:
         trainer.close()
         alive.close()
+
+
+def test_a_wait_fails_at_once_when_the_launchers_store_is_gone():
+    trainer, rollout, other = _ends(3, silent_s=60.0)  # a silence would be noticed only after a minute
+    try:
+        waiting, got = _in_thread(rollout.broadcast_object)
+        time.sleep(0.2)  # waiting for the trainer's next control message
+        server = rollout.server  # type: ignore[attr-defined]
+        for end in (trainer, rollout, other):
+            del end.server  # type: ignore[attr-defined]
+        del server  # the process that hosts the store ended (a trainer at rank 0 without torchrun's agent store)
+        waiting.join(10)  # not after the minute of silence: the store's connection is closed
+        assert not waiting.is_alive()
+        assert isinstance(got.get("error"), BridgeError), got
+        assert "launcher's store did not answer" in str(got["error"])
+    finally:
+        for end in (trainer, rollout, other):
+            end.close()

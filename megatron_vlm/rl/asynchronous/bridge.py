@@ -84,7 +84,7 @@ class Bridge:
                 self.bells.ring(channel, f"{key}/sent")
                 self.bells.wait_for(channel, f"{key}/ready", n * len(receivers), receivers)
             else:
-                self.bells.wait_for(channel, f"{key}/sent", n, (sender,))
+                self.bells.wait_for(channel, f"{key}/sent", n, (sender,), patient=True)  # however busy the sender
                 if self.bells.ring(channel, f"{key}/ready") < n * len(receivers):
                     # the sender watches the receivers' heartbeats; one that is gone fails its wait, and its silence
                     # then fails this one (reading every receiver's heartbeat here would cost N x N store reads)

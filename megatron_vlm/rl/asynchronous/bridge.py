@@ -16,7 +16,8 @@ rank 0, bridge rank 1 + r = rollout rank r):
 
 Both are gloo groups (CPU tensors; on an accelerator a tensor is staged through host memory one
 tensor at a time). Each message is announced on the launcher's store before its transfer
-(rl/asynchronous/doorbell.py): a side posts its gloo call once the other side has arrived, so the wait for the next
+(rl/asynchronous/doorbell.py): a side posts its gloo call once every other end of the transfer has arrived (a
+broadcast's receivers wait for each other too: the first to arrive must not wait in gloo for the last), so the wait for the next
 message (the trainer's start-up, a training step, a held-out evaluation, a checkpoint or the export on one side; the
 generation of a step on the other) lasts as long as the peer is alive, however long, and only the transfer itself
 is bounded by `timeout_s`. A peer whose process ends (or hangs in a transfer) makes the waiting side fail: no
@@ -30,7 +31,6 @@ import datetime
 import os
 import pickle
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -70,21 +70,25 @@ class Bridge:
         """Stop this end's heartbeat (at the end of its process; the tests' ends of a bridge)."""
         self.bells.close()
 
-    def _announce(self, channel: str, key: str, peers: Iterable[int], *, sending: bool, what: str) -> None:
-        """Before transfer number n on `key` (each side counts its own): the sender counts it sent and waits until every
-        receiver (`peers`) has counted it ready; a receiver waits until the sender (`peers`) has counted it sent, then
-        counts itself ready. Both gloo calls then run at once (module docstring). A silent peer, or a store that fails,
-        is a `BridgeError` naming the bridge."""
-        peers = tuple(peers)
+    def _announce(self, channel: str, key: str, sender: int, receivers: tuple[int, ...], *, what: str) -> None:
+        """Before transfer number n on `key` (each side counts its own) from bridge rank `sender` to `receivers`: the
+        sender counts it sent and waits until every receiver has counted it ready; a receiver waits until the sender
+        has counted it sent, counts itself ready, then (a broadcast) waits until every other receiver has too. All gloo
+        calls of the transfer then start together (module docstring): a receiver's call does not wait for the slowest
+        receiver to arrive, which the transfer's timeout would not allow. A silent peer, or a store that fails, is a
+        `BridgeError` naming the bridge."""
         n = self._sequence[key] + 1
         self._sequence[key] = n
         try:
-            if sending:
+            if self.rank == sender:
                 self.bells.ring(channel, f"{key}/sent")
-                self.bells.wait_for(channel, f"{key}/ready", n * len(peers), peers)
+                self.bells.wait_for(channel, f"{key}/ready", n * len(receivers), receivers)
             else:
-                self.bells.wait_for(channel, f"{key}/sent", n, peers)
-                self.bells.ring(channel, f"{key}/ready")
+                self.bells.wait_for(channel, f"{key}/sent", n, (sender,), patient=True)  # however busy the sender
+                if self.bells.ring(channel, f"{key}/ready") < n * len(receivers):
+                    # the sender watches the receivers' heartbeats; one that is gone fails its wait, and its silence
+                    # then fails this one (reading every receiver's heartbeat here would cost N x N store reads)
+                    self.bells.wait_for(channel, f"{key}/ready", n * len(receivers), (sender,))
         except PeerSilent as e:
             raise BridgeError(f"asynchronous GRPO: {what} failed: {e}") from None
         except RuntimeError as e:  # the launcher's store did not answer (its host is gone): the job is ending
@@ -95,7 +99,7 @@ class Bridge:
             work.wait()
         except RuntimeError as e:
             raise BridgeError(f"asynchronous GRPO: {what} failed (a peer process died or did not answer "
-                              f"within {self.timeout_s:.0f} s): {e}") from None
+                              f"within {self.timeout_s:g} s): {e}") from None
 
     # ---- broadcasts from the trainer (bridge rank 0) ----
     def broadcast_object(self, obj: Any = None) -> Any:
@@ -105,8 +109,7 @@ class Bridge:
             n = torch.tensor([data.numel()], dtype=torch.int64)
         else:
             n = torch.zeros(1, dtype=torch.int64)
-        self._announce("weights", "weights", range(1, self.size) if self.rank == 0 else (0,), sending=self.rank == 0,
-                       what="control message")
+        self._announce("weights", "weights", 0, tuple(range(1, self.size)), what="control message")
         self._wait(self.weights.broadcast(n, 0), "control message")
         if self.rank != 0:
             data = torch.empty(int(n), dtype=torch.uint8)
@@ -122,14 +125,14 @@ class Bridge:
     def send_object(self, obj: Any, dst: int = 0) -> None:
         """To bridge rank `dst` (the trainer), once it is ready to receive it."""
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-        self._announce("samples", f"samples/{self.rank}", (dst,), sending=True, what="sending samples")
+        self._announce("samples", f"samples/{self.rank}", self.rank, (dst,), what="sending samples")
         self._wait(self.samples.send([torch.tensor([data.numel()], dtype=torch.int64)], dst, 0), "sending samples")
         self._wait(self.samples.send([data], dst, 1), "sending samples")
 
     def recv_object(self, src: int) -> Any:
         """From bridge rank `src` (rollout rank src - 1), waiting for it as long as that rank lives."""
         what = f"receiving samples from rollout rank {src - 1}"
-        self._announce("samples", f"samples/{src}", (src,), sending=False, what=what)
+        self._announce("samples", f"samples/{src}", src, (self.rank,), what=what)
         n = torch.zeros(1, dtype=torch.int64)
         self._wait(self.samples.recv([n], src, 0), what)
         data = torch.empty(int(n), dtype=torch.uint8)

@@ -264,7 +264,8 @@ class RLLossConfig:
     kl_coef: float = 0.0
     """Coefficient of the KL penalty against the frozen reference model; 0 drops the reference model. With
     advantage = "gae" (PPO with a critic) and "reinforce_plus_plus" the penalty is not in the loss but in the
-    per-token reward, -kl_coef x KL_t of the rollout policy (the old log-probs) against the reference (PPO-RLHF,
+    per-token reward, -kl_coef x KL_t of the policy that generated the samples (the old log-probs; the rollout's
+    own with stale samples of asynchronous GRPO) against the reference (PPO-RLHF,
     REINFORCE++; loss.kl_estimator, the papers' is k1), which the critic learns to predict / which enters
     REINFORCE++'s returns; actor/kl is still logged. With every other estimator (reinforce_plus_plus_baseline
     included, as its paper) it is a loss term. advantages.kl_in_reward moves it for the REINFORCE++ estimators."""

@@ -12,13 +12,12 @@ wait too.
 Three bridge ends in one process (threads, each with a store client of its own), a gloo timeout of 0.5 s."""
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
-import torch.distributed as dist
 
 from megatron_vlm.rl.asynchronous.bridge import Bridge, BridgeError
+from tests.unit.rl.bridge_ends import bridge_ends, in_thread
 
 TIMEOUT_S = 0.5
 LATE_S = 1.0  # twice the gloo timeout
@@ -26,45 +25,14 @@ LATE_S = 1.0  # twice the gloo timeout
 
 def _ends(size: int, **kw) -> list[Bridge]:
     """Bridge ranks 0 .. size - 1 on one store, each with a client of its own."""
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
-    ends: dict[int, object] = {}
-
-    def make(rank: int) -> None:
-        try:
-            ends[rank] = Bridge(store.clone(), rank, size, TIMEOUT_S, **kw)
-        except Exception as e:  # noqa: BLE001 - reported below
-            ends[rank] = e
-
-    threads = [threading.Thread(target=make, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert all(isinstance(ends.get(r), Bridge) for r in range(size)), ends
-    for end in ends.values():
-        end.server = store  # type: ignore[union-attr] # the store's server lives as long as its master object
-    return [ends[r] for r in range(size)]  # type: ignore[misc]
-
-
-def _in_thread(fn):
-    out: dict = {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - the test reads it
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
+    return bridge_ends(size, TIMEOUT_S, **kw)
 
 
 def test_a_control_message_waits_for_every_rollout_rank():
     trainer, early, late = _ends(3)
     try:
-        first, got_first = _in_thread(early.broadcast_object)
-        sender, sent = _in_thread(lambda: trainer.broadcast_object({"kind": "want", "step": 1}))
+        first, got_first = in_thread(early.broadcast_object)
+        sender, sent = in_thread(lambda: trainer.broadcast_object({"kind": "want", "step": 1}))
         time.sleep(LATE_S)  # the second rollout rank is still busy (loading its model) past the gloo timeout
         got_late = late.broadcast_object()
         for t in (first, sender):
@@ -73,8 +41,8 @@ def test_a_control_message_waits_for_every_rollout_rank():
         assert got_first == {"value": {"kind": "want", "step": 1}}
         assert got_late == {"kind": "want", "step": 1}
         # and the next one, which the late rank waits for from the start, the early one joins late
-        second, got_second = _in_thread(late.broadcast_object)
-        sender, sent = _in_thread(lambda: trainer.broadcast_object({"kind": "stop", "signum": 0}))
+        second, got_second = in_thread(late.broadcast_object)
+        sender, sent = in_thread(lambda: trainer.broadcast_object({"kind": "stop", "signum": 0}))
         time.sleep(LATE_S)
         assert early.broadcast_object() == {"kind": "stop", "signum": 0}
         for t in (second, sender):
@@ -90,7 +58,7 @@ def test_the_trainers_send_fails_on_a_rollout_rank_without_a_sign_of_life():
     trainer, alive, gone = _ends(3, silent_s=0.5)
     try:
         gone.close()  # its process ended: no heartbeat any more, it will never count itself ready
-        receiver, received = _in_thread(alive.broadcast_object)
+        receiver, received = in_thread(alive.broadcast_object)
         with pytest.raises(BridgeError, match="bridge rank 2"):
             trainer.broadcast_object({"kind": "want", "step": 0})
         trainer.close()  # the trainer's process ends with that error
@@ -106,7 +74,7 @@ def test_the_trainers_send_fails_on_a_rollout_rank_without_a_sign_of_life():
 def test_a_wait_fails_at_once_when_the_launchers_store_is_gone():
     trainer, rollout, other = _ends(3, silent_s=60.0)  # a silence would be noticed only after a minute
     try:
-        waiting, got = _in_thread(rollout.broadcast_object)
+        waiting, got = in_thread(rollout.broadcast_object)
         time.sleep(0.2)  # waiting for the trainer's next control message
         server = rollout.server  # type: ignore[attr-defined]
         for end in (trainer, rollout, other):

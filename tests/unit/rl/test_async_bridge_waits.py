@@ -11,13 +11,12 @@ after its receiver began to wait arrives, in both directions; a peer whose proce
 heartbeat stops) still fails the wait with an error naming the bridge rank."""
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
-import torch.distributed as dist
 
 from megatron_vlm.rl.asynchronous.bridge import Bridge, BridgeError
+from tests.unit.rl.bridge_ends import bridge_ends, in_thread
 
 BUSY_S = 2.0
 TIMEOUT_S = 1.0
@@ -25,48 +24,18 @@ TIMEOUT_S = 1.0
 
 def _pair(**kw) -> tuple[Bridge, Bridge]:
     """Bridge rank 0 (the trainer) and 1 (a rollout rank) on one store, each with a client of its own."""
-    store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False)
-    ends: dict[int, object] = {}
-
-    def make(rank: int) -> None:
-        try:
-            ends[rank] = Bridge(store.clone(), rank, 2, TIMEOUT_S, **kw)
-        except Exception as e:  # noqa: BLE001 - reported below
-            ends[rank] = e
-
-    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    assert all(isinstance(ends.get(r), Bridge) for r in (0, 1)), ends
-    for end in ends.values():
-        end.server = store  # type: ignore[union-attr] # the store's server lives as long as its master object
-    return ends[0], ends[1]  # type: ignore[return-value]
-
-
-def _in_thread(fn):
-    out: dict = {}
-
-    def run():
-        try:
-            out["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - the test reads it
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
+    trainer, rollout = bridge_ends(2, TIMEOUT_S, **kw)
+    return trainer, rollout
 
 
 def test_a_busy_peer_is_waited_for_past_the_bridge_timeout():
     trainer, rollout = _pair()
     try:
         # the rollout rank waits for the next control message, the trainer for the rollout rank's samples
-        control, got_control = _in_thread(rollout.broadcast_object)
-        samples, got_samples = _in_thread(lambda: trainer.recv_object(1))
+        control, got_control = in_thread(rollout.broadcast_object)
+        samples, got_samples = in_thread(lambda: trainer.recv_object(1))
         time.sleep(BUSY_S)  # both peers busy (an evaluation, a long generation) for twice the timeout
-        sender, sent = _in_thread(lambda: rollout.send_object({"step": 3, "samples": []}))
+        sender, sent = in_thread(lambda: rollout.send_object({"step": 3, "samples": []}))
         trainer.broadcast_object({"kind": "want", "step": 4})
         for t in (control, samples, sender):
             t.join(30)
